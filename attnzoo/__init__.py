@@ -1,0 +1,24 @@
+"""attnzoo: exact attention, from a readable NumPy reference to fast Triton kernels, behind one interface.
+
+>>> import attnzoo
+>>> attnzoo.names()                       # every registered backend
+>>> o, lse = attnzoo.get("torch_fa2").forward(q, k, v, causal=True)
+>>> o = attnzoo.attention(q, k, v, causal=True)   # autograd, drop-in for SDPA
+"""
+
+from . import backends as _backends  # noqa: F401  (registers every backend)
+from .autograd import attention, pick_backend
+from .backend import REQUIRED_FEATURES, Backend, Capabilities, get, names
+from .validation import Problem
+
+__all__ = [
+    "REQUIRED_FEATURES",
+    "Backend",
+    "Capabilities",
+    "Problem",
+    "attention",
+    "get",
+    "names",
+    "pick_backend",
+]
+__version__ = "0.1.0"

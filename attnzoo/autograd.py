@@ -1,0 +1,69 @@
+"""``attnzoo.attention``: an autograd drop-in for ``torch.nn.functional.scaled_dot_product_attention``."""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .backend import Backend, get, names
+from .validation import validate_forward
+
+Tensor = torch.Tensor
+
+
+def pick_backend(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, seqlens_k) -> Backend:
+    """The preferred backend (lowest ``auto_rank`` on the device type) that supports these inputs."""
+    problem = validate_forward(q, k, v, causal, scale, seqlens_k)
+    candidates = []
+    for name in names():
+        backend = get(name)
+        rank = backend.capabilities.auto_rank.get(problem.device)
+        if rank is not None and not backend.reasons_for(problem):
+            candidates.append((rank, name))
+    if not candidates:
+        raise NotImplementedError(
+            "no registered backend supports these inputs: "
+            + "; ".join(f"{n}: {', '.join(get(n).reasons_for(problem))}" for n in names())
+        )
+    return get(min(candidates)[1])
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, seqlens_k, backend):
+        o, lse = backend.forward(q, k, v, causal=causal, scale=scale, seqlens_k=seqlens_k)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale, ctx.seqlens_k, ctx.backend = causal, scale, seqlens_k, backend
+        return o
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.backend.backward(
+            do, q, k, v, o, lse, causal=ctx.causal, scale=ctx.scale, seqlens_k=ctx.seqlens_k
+        )
+        return dq, dk, dv, None, None, None, None
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    seqlens_k: Tensor | None = None,
+    backend: str | Backend = "auto",
+) -> Tensor:
+    """Exact attention with autograd, like ``scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)``.
+
+    q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nk, D]`` with ``H % Hkv == 0``; seqlens_k: integer ``[B]`` or None.
+    Returns o: ``[B, H, Nq, D]`` in the dtype of q.  ``causal`` is aligned to the bottom-right corner.
+    ``backend`` is a registered name, a :class:`Backend`, or ``"auto"``.
+    """
+    if isinstance(backend, str):
+        backend = pick_backend(q, k, v, causal, scale, seqlens_k) if backend == "auto" else get(backend)
+    elif not isinstance(backend, Backend):
+        raise TypeError(f"backend must be a backend name, a Backend or 'auto', got {type(backend).__name__}")
+    validate_forward(q, k, v, causal, scale, seqlens_k)  # torch tensors only, before any kernel
+    return _Attention.apply(q, k, v, causal, scale, seqlens_k, backend)

@@ -1,0 +1,187 @@
+"""The backend interface, each backend's declared capabilities, and the registry.
+
+A backend declares what it supports in one :class:`Capabilities` object.  Support questions
+(:meth:`Backend.not_supported_reasons`), ``backend="auto"``, the README's backend table and the
+property tests all read that one declaration.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .validation import Problem, validate_backward, validate_forward
+
+Tensor = torch.Tensor
+
+# Features of SPEC.md that every backend must support; the property tests check the declarations against it.
+REQUIRED_FEATURES = frozenset({"causal", "seqlens_k", "gqa", "nq_ne_nk", "strided"})
+
+
+def triton_interpreter_active() -> bool:
+    """Whether Triton kernels run on the CPU through the interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend supports, declared once.
+
+    ``auto_rank`` orders the backends that ``attention(..., backend="auto")`` may pick on each device
+    type (lower is preferred); a device type absent from it is never picked automatically.
+    ``extra_reasons`` adds backend-specific checks that the generic fields cannot express.
+    """
+
+    summary: str
+    devices: frozenset[str]
+    dtypes: frozenset[torch.dtype]
+    max_head_dim: int | None = None
+    features: frozenset[str] = REQUIRED_FEATURES
+    accepts_numpy: bool = False
+    deterministic: bool = True
+    auto_rank: Mapping[str, int] = field(default_factory=dict)
+    extra_reasons: Callable[[Problem], list[str]] | None = None
+
+
+class Backend:
+    """One implementation of exact attention (see SPEC.md for the contract).
+
+    Subclasses set ``name`` and ``capabilities`` and implement ``_forward`` and ``_backward`` on
+    validated, supported inputs.
+    """
+
+    name: str = ""
+    capabilities: Capabilities
+
+    # -- support -------------------------------------------------------------------------------------
+    def reasons_for(self, problem: Problem) -> list[str]:
+        """Why this backend cannot run ``problem`` ([] when it can)."""
+        caps = self.capabilities
+        reasons = []
+        if problem.is_numpy and not caps.accepts_numpy:
+            reasons.append("takes torch tensors, not numpy arrays")
+        if problem.device not in caps.devices:
+            reasons.append(
+                f"device {problem.device} not supported (supports {', '.join(sorted(caps.devices))})"
+            )
+        if problem.dtype not in caps.dtypes:
+            names = ", ".join(sorted(str(d).removeprefix("torch.") for d in caps.dtypes))
+            reasons.append(
+                f"dtype {str(problem.dtype).removeprefix('torch.')} not supported (supports {names})"
+            )
+        if caps.max_head_dim is not None and problem.head_dim > caps.max_head_dim:
+            reasons.append(f"head dim {problem.head_dim} above the limit {caps.max_head_dim}")
+        if caps.extra_reasons is not None:
+            reasons.extend(caps.extra_reasons(problem))
+        return reasons
+
+    def not_supported_reasons(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        causal: bool = False,
+        scale: float | None = None,
+        seqlens_k: Any = None,
+    ) -> list[str]:
+        """Validate the inputs and return why this backend cannot run them ([] when it can)."""
+        return self.reasons_for(self._validate(q, k, v, causal, scale, seqlens_k))
+
+    def _validate(self, q, k, v, causal, scale, seqlens_k) -> Problem:
+        return validate_forward(
+            q, k, v, causal, scale, seqlens_k, allow_numpy=self.capabilities.accepts_numpy
+        )
+
+    def _check(self, problem: Problem) -> None:
+        caps = self.capabilities
+        if caps.max_head_dim is not None and problem.head_dim > caps.max_head_dim:
+            raise ValueError(
+                f"q has head dim D={problem.head_dim}, above the limit of backend {self.name!r} "
+                f"(D <= {caps.max_head_dim})"
+            )
+        reasons = self.reasons_for(problem)
+        if reasons:
+            raise NotImplementedError(
+                f"backend {self.name!r} does not support this input: " + "; ".join(reasons)
+            )
+
+    # -- the contract --------------------------------------------------------------------------------
+    def forward(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        causal: bool = False,
+        scale: float | None = None,
+        seqlens_k: Any = None,
+    ) -> tuple[Any, Any]:
+        """Attention forward.
+
+        q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nk, D]``; seqlens_k: integer ``[B]`` or None.
+        Returns ``o`` (``[B, H, Nq, D]``, dtype of q) and ``lse`` (``[B, H, Nq]``, float32).
+        """
+        problem = self._validate(q, k, v, causal, scale, seqlens_k)
+        self._check(problem)
+        return self._forward(q, k, v, problem, seqlens_k)
+
+    def backward(
+        self,
+        do: Any,
+        q: Any,
+        k: Any,
+        v: Any,
+        o: Any,
+        lse: Any,
+        causal: bool = False,
+        scale: float | None = None,
+        seqlens_k: Any = None,
+    ) -> tuple[Any, Any, Any]:
+        """Attention backward from the forward's ``o`` and ``lse``.
+
+        do, o: ``[B, H, Nq, D]``; lse: ``[B, H, Nq]`` float32.  Returns ``dq`` (shape of q) and
+        ``dk``, ``dv`` (shape of k, summed over the query heads of each K/V group).
+        """
+        problem = self._validate(q, k, v, causal, scale, seqlens_k)
+        validate_backward(problem, do, o, lse)
+        self._check(problem)
+        return self._backward(do, q, k, v, o, lse, problem, seqlens_k)
+
+    def _forward(self, q, k, v, problem: Problem, seqlens_k) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def _backward(self, do, q, k, v, o, lse, problem: Problem, seqlens_k) -> tuple[Any, Any, Any]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<attnzoo backend {self.name}>"
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register(backend_cls: type[Backend]) -> type[Backend]:
+    """Class decorator: instantiate the backend and register it under its ``name``."""
+    instance = backend_cls()
+    if not instance.name or instance.name in _REGISTRY:
+        raise ValueError(f"backend name {instance.name!r} is empty or registered twice")
+    _REGISTRY[instance.name] = instance
+    return backend_cls
+
+
+def names() -> list[str]:
+    """Every registered backend's name, in registration order."""
+    return list(_REGISTRY)
+
+
+def get(name: str) -> Backend:
+    """The backend registered under ``name``."""
+    if not isinstance(name, str):
+        raise TypeError(f"backend name must be a str, got {type(name).__name__}")
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(_REGISTRY)}") from None
