@@ -65,14 +65,10 @@ class Backend:
         if problem.is_numpy and not caps.accepts_numpy:
             reasons.append("takes torch tensors, not numpy arrays")
         if problem.device not in caps.devices:
-            reasons.append(
-                f"device {problem.device} not supported (supports {', '.join(sorted(caps.devices))})"
-            )
+            reasons.append(f"device {problem.device} not supported (supports {', '.join(sorted(caps.devices))})")
         if problem.dtype not in caps.dtypes:
             names = ", ".join(sorted(str(d).removeprefix("torch.") for d in caps.dtypes))
-            reasons.append(
-                f"dtype {str(problem.dtype).removeprefix('torch.')} not supported (supports {names})"
-            )
+            reasons.append(f"dtype {str(problem.dtype).removeprefix('torch.')} not supported (supports {names})")
         if caps.max_head_dim is not None and problem.head_dim > caps.max_head_dim:
             reasons.append(f"head dim {problem.head_dim} above the limit {caps.max_head_dim}")
         if caps.extra_reasons is not None:
@@ -92,9 +88,7 @@ class Backend:
         return self.reasons_for(self._validate(q, k, v, causal, scale, seqlens_k))
 
     def _validate(self, q, k, v, causal, scale, seqlens_k) -> Problem:
-        return validate_forward(
-            q, k, v, causal, scale, seqlens_k, allow_numpy=self.capabilities.accepts_numpy
-        )
+        return validate_forward(q, k, v, causal, scale, seqlens_k, allow_numpy=self.capabilities.accepts_numpy)
 
     def _check(self, problem: Problem) -> None:
         caps = self.capabilities
@@ -105,9 +99,7 @@ class Backend:
             )
         reasons = self.reasons_for(problem)
         if reasons:
-            raise NotImplementedError(
-                f"backend {self.name!r} does not support this input: " + "; ".join(reasons)
-            )
+            raise NotImplementedError(f"backend {self.name!r} does not support this input: " + "; ".join(reasons))
 
     # -- the contract --------------------------------------------------------------------------------
     def forward(

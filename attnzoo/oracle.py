@@ -71,9 +71,7 @@ def _explicit(q, k, v, do, causal, scale, seqlens_k, compute_dtype) -> Result:
     # softmax below is exact.  A row with no visible key has lse = -inf and P = 0.
     lse = torch.logsumexp(s.double(), dim=-1)
     has_key = torch.isfinite(lse)
-    p = torch.where(
-        has_key[..., None], torch.exp(s.double() - lse[..., None].where(has_key[..., None], 0)), 0.0
-    )
+    p = torch.where(has_key[..., None], torch.exp(s.double() - lse[..., None].where(has_key[..., None], 0)), 0.0)
     p = p.to(compute_dtype)
     o = p @ v_full
     result = Result(o=o, lse=lse.float())

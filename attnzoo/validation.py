@@ -56,14 +56,10 @@ def _describe(x: Any) -> str:
 def _torch_dtype_of(name: str, x: Any) -> torch.dtype:
     if isinstance(x, torch.Tensor):
         if x.dtype not in FLOAT_DTYPES:
-            raise TypeError(
-                f"{name} must have a floating dtype (float16, bfloat16, float32 or float64), got {x.dtype}"
-            )
+            raise TypeError(f"{name} must have a floating dtype (float16, bfloat16, float32 or float64), got {x.dtype}")
         return x.dtype
     if x.dtype not in _NUMPY_FLOAT_DTYPES:
-        raise TypeError(
-            f"{name} must have a floating dtype (float16, float32 or float64), got numpy {x.dtype}"
-        )
+        raise TypeError(f"{name} must have a floating dtype (float16, float32 or float64), got numpy {x.dtype}")
     return {np.float64: torch.float64, np.float32: torch.float32, np.float16: torch.float16}[x.dtype.type]
 
 
@@ -73,9 +69,7 @@ def _check_array(name: str, x: Any, allow_numpy: bool) -> None:
     if isinstance(x, np.ndarray):
         if allow_numpy:
             return
-        raise TypeError(
-            f"{name} must be a torch.Tensor (this backend takes no numpy arrays), got {_describe(x)}"
-        )
+        raise TypeError(f"{name} must be a torch.Tensor (this backend takes no numpy arrays), got {_describe(x)}")
     expected = "a torch.Tensor or numpy.ndarray" if allow_numpy else "a torch.Tensor"
     raise TypeError(f"{name} must be {expected}, got {_describe(x)}")
 
@@ -114,14 +108,10 @@ def validate_forward(
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             layout = "[B, H, Nq, D]" if name == "q" else "[B, Hkv, Nk, D]"
-            raise ValueError(
-                f"{name} must have rank 4, {layout}, got rank {x.ndim} with shape {tuple(x.shape)}"
-            )
+            raise ValueError(f"{name} must have rank 4, {layout}, got rank {x.ndim} with shape {tuple(x.shape)}")
     dtypes = {name: _torch_dtype_of(name, x) for name, x in (("q", q), ("k", k), ("v", v))}
     if len(set(dtypes.values())) > 1:
-        raise TypeError(
-            f"q, k and v must have the same dtype, got q={dtypes['q']}, k={dtypes['k']}, v={dtypes['v']}"
-        )
+        raise TypeError(f"q, k and v must have the same dtype, got q={dtypes['q']}, k={dtypes['k']}, v={dtypes['v']}")
     devices = {_device_of(x) for x in (q, k, v)}
     if len(devices) > 1:
         raise ValueError(
@@ -188,9 +178,7 @@ def _validate_seqlens_k(seqlens_k: Any, B: int, Nk: int, q: Any, is_numpy: bool)
     if B > 0:
         low, high = int(values.min()), int(values.max())
         if low < 0 or high > Nk:
-            raise ValueError(
-                f"seqlens_k values must lie in [0, Nk] = [0, {Nk}], got min {low} and max {high}"
-            )
+            raise ValueError(f"seqlens_k values must lie in [0, Nk] = [0, {Nk}], got min {low} and max {high}")
 
 
 def validate_backward(problem: Problem, do: Any, o: Any, lse: Any) -> None:

@@ -44,7 +44,8 @@ def tile_visibility(
     """Boolean mask ``[B or 1, 1, 1, rows, cols]`` of the visible (row, key) pairs of a tile, or None if all are.
 
     ``xp`` is ``numpy`` or ``torch``; ``seqlens_k`` is an int64 array/tensor ``[B]`` of the same library, or None,
-    and ``min_seqlen_k`` its smallest value (read once by the caller); ``device`` is the torch device of the tile (None for NumPy).
+    and ``min_seqlen_k`` its smallest value (read once by the caller); ``device`` is the torch device of the
+    tile (None for NumPy).
     """
     rows = xp.arange(row_start, row_stop).reshape(1, 1, 1, -1, 1)
     cols = xp.arange(col_start, col_stop).reshape(1, 1, 1, 1, -1)

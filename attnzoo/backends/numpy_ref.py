@@ -66,9 +66,7 @@ class _Geometry:
         m1, n1 = min(m0 + self.block_m, p.seqlen_q), min(n0 + self.block_n, p.seqlen_k)
         if tile_is_empty(m0, m1, n0, p.seqlen_q, p.seqlen_k, p.causal, self.max_seqlen):
             return True, None
-        mask = tile_visibility(
-            np, m0, m1, n0, n1, p.seqlen_q, p.seqlen_k, p.causal, self.seqlens, self.min_seqlen
-        )
+        mask = tile_visibility(np, m0, m1, n0, n1, p.seqlen_q, p.seqlen_k, p.causal, self.seqlens, self.min_seqlen)
         return False, mask
 
 
@@ -101,9 +99,7 @@ def forward(q, k, v, problem: Problem, seqlens_k, block_m: int = 64, block_n: in
             acc = alpha[..., None] * acc + p @ v_tile
             m_i = m_new
         seen = l_i > 0
-        o[..., m0 : m0 + block_m, :] = np.where(
-            seen[..., None], acc / np.where(seen, l_i, 1.0)[..., None], 0.0
-        )
+        o[..., m0 : m0 + block_m, :] = np.where(seen[..., None], acc / np.where(seen, l_i, 1.0)[..., None], 0.0)
         lse[..., m0 : m0 + block_m] = np.where(seen, m_i + np.log(np.where(seen, l_i, 1.0)), -np.inf)
     shape4 = (problem.batch, problem.heads, problem.seqlen_q, problem.head_dim)
     return o.reshape(shape4), lse.reshape(shape4[:-1]).astype(np.float32)
