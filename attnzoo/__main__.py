@@ -1,0 +1,37 @@
+"""``python -m attnzoo <command>``: compare, bench, plot, io."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "compare": ("attnzoo.compare", "run every backend on one case and print errors vs the float64 oracle"),
+    "bench": ("attnzoo.bench.run", "time backends and torch SDPA over a grid of shapes, write a CSV"),
+    "plot": ("attnzoo.bench.plot", "draw the benchmark figures from a bench CSV"),
+    "io": ("attnzoo.bench.io", "HBM traffic: IO-complexity theory and Nsight Compute measurements"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: python -m attnzoo <command> [options]", "", "commands:"]
+    lines += [f"  {name:<8} {about}" for name, (_, about) in COMMANDS.items()]
+    lines += ["", "python -m attnzoo <command> --help shows a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[command][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
