@@ -155,8 +155,9 @@ class NumpyRef(Backend):
         accepts_numpy=True,
         auto_rank={"cpu": 30},
     )
-    block_m = 64
-    block_n = 64
+
+    def __init__(self, block_m: int = 64, block_n: int = 64):
+        self.block_m, self.block_n = block_m, block_n
 
     def _forward(self, q, k, v, problem, seqlens_k):
         o, lse = forward(q, k, v, problem, seqlens_k, self.block_m, self.block_n)

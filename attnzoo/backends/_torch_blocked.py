@@ -1,0 +1,113 @@
+"""What the two blocked PyTorch backends share: grouped 5-d views, tile masks, and the per-tile P and dS.
+
+``torch_fa1`` and ``torch_fa2`` differ in their loop orders (which tiles stay resident, what is
+read-modified-written), not in the arithmetic of one tile; that arithmetic lives here once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..validation import Problem
+from ._tiles import tile_is_empty, tile_visibility
+
+Tensor = torch.Tensor
+
+
+class TorchTiles:
+    """Grouped views and tile geometry of one call.
+
+    ``q``-side tensors are viewed as ``[B, Hkv, G, N, D]`` and K/V as ``[B, Hkv, 1, N, D]``; arithmetic is in
+    ``acc_dtype`` (float64 for float64 inputs, float32 otherwise), one tile at a time.
+    """
+
+    def __init__(self, problem: Problem, seqlens_k: Tensor | None, block_m: int, block_n: int, device: torch.device):
+        p = problem
+        self.p, self.block_m, self.block_n, self.device = p, block_m, block_n, device
+        self.acc_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        self.seqlens = None if seqlens_k is None else seqlens_k.to(torch.int64)
+        # Read the padding bounds once on the host: the loops below branch on them per tile.
+        self.min_seqlen = p.seqlen_k if self.seqlens is None or p.batch == 0 else int(self.seqlens.min())
+        self.max_seqlen = p.seqlen_k if self.seqlens is None or p.batch == 0 else int(self.seqlens.max())
+
+    def q_view(self, x: Tensor) -> Tensor:
+        p = self.p
+        return x.reshape(p.batch, p.kv_heads, p.group_size, p.seqlen_q, p.head_dim)
+
+    def kv_view(self, x: Tensor) -> Tensor:
+        return x.unsqueeze(2)
+
+    def rows(self, m0: int) -> slice:
+        return slice(m0, min(m0 + self.block_m, self.p.seqlen_q))
+
+    def cols(self, n0: int) -> slice:
+        return slice(n0, min(n0 + self.block_n, self.p.seqlen_k))
+
+    def load(self, x: Tensor, span: slice) -> Tensor:
+        """One tile of ``x`` along the sequence axis, in the accumulation dtype."""
+        return x[..., span, :].to(self.acc_dtype)
+
+    def skip(self, m0: int, n0: int) -> bool:
+        """Whether tile (rows m0.., keys n0..) is fully masked, so that it is never loaded."""
+        p, rows = self.p, self.rows(m0)
+        return tile_is_empty(rows.start, rows.stop, n0, p.seqlen_q, p.seqlen_k, p.causal, self.max_seqlen)
+
+    def scores(self, q_tile: Tensor, k_tile: Tensor, m0: int, n0: int) -> Tensor:
+        """``S = scale * q_tile @ k_tile^T`` with invisible pairs at ``-inf``: ``[B, Hkv, G, rows, cols]``."""
+        p, rows, cols = self.p, self.rows(m0), self.cols(n0)
+        s = (q_tile @ k_tile.transpose(-1, -2)) * p.scale
+        mask = tile_visibility(
+            torch,
+            rows.start,
+            rows.stop,
+            cols.start,
+            cols.stop,
+            p.seqlen_q,
+            p.seqlen_k,
+            p.causal,
+            self.seqlens,
+            self.min_seqlen,
+            self.device,
+        )
+        return s if mask is None else s.masked_fill(~mask, float("-inf"))
+
+    @staticmethod
+    def probabilities(s: Tensor, lse_tile: Tensor) -> Tensor:
+        """``P = exp(S - lse)`` recomputed from the saved row log-sum-exp; 0 for rows with no visible key."""
+        has_key = torch.isfinite(lse_tile)
+        lse_safe = torch.where(has_key, lse_tile, torch.zeros_like(lse_tile))
+        return torch.exp(s - lse_safe[..., None]) * has_key[..., None]
+
+    @staticmethod
+    def grad_scores(p: Tensor, do_tile: Tensor, v_tile: Tensor, delta_tile: Tensor) -> Tensor:
+        """``dS = P * (dP - Delta)`` with ``dP = dO @ V^T``: the softmax Jacobian applied row by row."""
+        dp = do_tile @ v_tile.transpose(-1, -2)
+        return p * (dp - delta_tile[..., None])
+
+    def finish(self, x5: Tensor) -> Tensor:
+        """``[B, Hkv, G, N, D]`` back to ``[B, H, N, D]``."""
+        p = self.p
+        return x5.reshape(p.batch, p.heads, -1, p.head_dim)
+
+
+def online_softmax_update(
+    s: Tensor, m_i: Tensor, l_i: Tensor, acc: Tensor, v_tile: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One step of the online softmax over a new score tile ``s`` (FA2's unnormalised form).
+
+    With ``m_new = max(m, rowmax(s))`` and ``alpha = exp(m - m_new)``: ``l <- alpha*l + rowsum(exp(s - m_new))``,
+    ``acc <- alpha*acc + exp(s - m_new) @ v``.  Rows that have seen no key keep ``m = -inf``; they are shifted by
+    0 instead, so ``exp(-inf - -inf)`` never makes a NaN.
+    """
+    m_new = torch.maximum(m_i, s.amax(dim=-1))
+    shift = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+    alpha = torch.exp(m_i - shift)
+    p = torch.exp(s - shift[..., None])
+    l_new = alpha * l_i + p.sum(dim=-1)
+    acc = alpha[..., None] * acc + p @ v_tile
+    return m_new, l_new, acc
+
+
+def delta_rows(do5: Tensor, o5: Tensor, acc_dtype: torch.dtype) -> Tensor:
+    """``Delta_i = rowsum(dO_i * O_i)``, equal to ``rowsum(dP_i * P_i)`` since ``O_i = P_i V``."""
+    return (do5.to(acc_dtype) * o5.to(acc_dtype)).sum(dim=-1)
