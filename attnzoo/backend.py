@@ -27,6 +27,22 @@ def triton_interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def poison_outputs() -> bool:
+    """Whether outputs are NaN-filled before a kernel writes them (``ATTNZOO_POISON_OUTPUTS=1``, set by the tests)."""
+    return os.environ.get("ATTNZOO_POISON_OUTPUTS", "0") not in ("", "0")
+
+
+def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """An uninitialised output tensor that a backend fills completely.
+
+    Under ``ATTNZOO_POISON_OUTPUTS=1`` it starts as NaN, so that an element the kernel forgets to write
+    fails the tests instead of passing with whatever the allocator left there.
+    """
+    if poison_outputs():
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend supports, declared once.

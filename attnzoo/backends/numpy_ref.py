@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..backend import Backend, Capabilities, register
+from ..backend import Backend, Capabilities, poison_outputs, register
 from ..validation import Problem
 from ._tiles import tile_is_empty, tile_visibility
 
@@ -32,6 +32,11 @@ def _to_numpy(x, dtype: np.dtype) -> np.ndarray:
         x = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
         return x.numpy().astype(dtype, copy=False)
     return np.asarray(x, dtype=dtype)
+
+
+def _output(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An output array the loops fill completely (NaN-filled under ``ATTNZOO_POISON_OUTPUTS=1``)."""
+    return np.full(shape, np.nan, dtype) if poison_outputs() else np.empty(shape, dtype)
 
 
 def _like_input(x: np.ndarray, problem: Problem, template):
@@ -74,8 +79,8 @@ def forward(q, k, v, problem: Problem, seqlens_k, block_m: int = 64, block_n: in
     """Online-softmax forward.  Returns ``o`` ``[B, H, Nq, D]`` (NumPy, accumulation dtype) and ``lse`` (float32)."""
     geo = _Geometry(problem, seqlens_k, block_m, block_n)
     q5, k5, v5 = geo.q_view(q), geo.kv_view(k), geo.kv_view(v)
-    o = np.zeros(q5.shape, geo.acc)
-    lse = np.full(q5.shape[:-1], -np.inf, geo.acc)
+    o = _output(q5.shape, geo.acc)
+    lse = _output(q5.shape[:-1], geo.acc)
     for m0 in range(0, problem.seqlen_q, block_m):
         q_tile = q5[..., m0 : m0 + block_m, :]
         m_i = np.full(q_tile.shape[:-1], -np.inf, geo.acc)
@@ -116,8 +121,8 @@ def backward(do, q, k, v, o, lse, problem: Problem, seqlens_k, block_m: int = 64
     # Rows with no visible key have lse = -inf and P = 0; a finite stand-in keeps exp() NaN-free.
     lse_safe = np.where(np.isneginf(lse5), 0.0, lse5)
     dq = np.zeros(q5.shape, geo.acc)
-    dk = np.zeros((problem.batch, problem.kv_heads, problem.seqlen_k, problem.head_dim), geo.acc)
-    dv = np.zeros_like(dk)
+    dk = _output((problem.batch, problem.kv_heads, problem.seqlen_k, problem.head_dim), geo.acc)
+    dv = _output(dk.shape, geo.acc)
     for n0 in range(0, problem.seqlen_k, block_n):
         k_tile, v_tile = k5[..., n0 : n0 + block_n, :], v5[..., n0 : n0 + block_n, :]
         dk_tile = np.zeros(dk[..., n0 : n0 + block_n, :].shape, geo.acc)

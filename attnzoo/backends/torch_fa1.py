@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import Backend, Capabilities, register
+from ..backend import Backend, Capabilities, new_output, register
 from ._torch_blocked import TorchTiles, delta_rows
 from .torch_fa2 import DTYPES
 
@@ -70,8 +70,8 @@ def backward(
     lse5 = lse.reshape(q5.shape[:-1]).to(tiles.acc_dtype)
     delta5 = delta_rows(do5, tiles.q_view(o), tiles.acc_dtype)
     dq5 = torch.zeros(q5.shape, dtype=tiles.acc_dtype, device=q.device)  # updated in place, block by block
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dk = new_output(k.shape, k.dtype, k.device)
+    dv = new_output(v.shape, v.dtype, v.device)
     for n0 in range(0, p.seqlen_k, tiles.block_n):
         cols = tiles.cols(n0)
         k_tile, v_tile = tiles.load(k5, cols), tiles.load(v5, cols)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import Backend, Capabilities, register
+from ..backend import Backend, Capabilities, new_output, register
 from ._torch_blocked import TorchTiles, delta_rows, online_softmax_update
 
 Tensor = torch.Tensor
@@ -26,8 +26,8 @@ DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16}
 def forward(q: Tensor, k: Tensor, v: Tensor, tiles: TorchTiles) -> tuple[Tensor, Tensor]:
     """Returns ``o`` ``[B, H, Nq, D]`` (dtype of q) and ``lse`` ``[B, H, Nq]`` float32."""
     q5, k5, v5 = tiles.q_view(q), tiles.kv_view(k), tiles.kv_view(v)
-    o5 = torch.empty(q5.shape, dtype=q.dtype, device=q.device)
-    lse5 = torch.empty(q5.shape[:-1], dtype=torch.float32, device=q.device)
+    o5 = new_output(q5.shape, q.dtype, q.device)
+    lse5 = new_output(q5.shape[:-1], torch.float32, q.device)
     for m0 in range(0, tiles.p.seqlen_q, tiles.block_m):
         rows = tiles.rows(m0)
         q_tile = tiles.load(q5, rows)
@@ -56,9 +56,9 @@ def backward(
     q5, k5, v5, do5 = tiles.q_view(q), tiles.kv_view(k), tiles.kv_view(v), tiles.q_view(do)
     lse5 = lse.reshape(q5.shape[:-1]).to(tiles.acc_dtype)
     delta5 = delta_rows(do5, tiles.q_view(o), tiles.acc_dtype)
-    dq5 = torch.empty(q5.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dq5 = new_output(q5.shape, q.dtype, q.device)
+    dk = new_output(k.shape, k.dtype, k.device)
+    dv = new_output(v.shape, v.dtype, v.device)
 
     # Pass 1, K/V stationary: dV_j = sum_i P_ij^T dO_i and dK_j = scale * sum_i dS_ij^T Q_i, summed over the
     # query heads of the group (axis 2).

@@ -1,0 +1,324 @@
+"""Every implementation the benchmark times, behind one adapter.
+
+An *impl* is a registered attnzoo backend (optionally with options, e.g. a variant of ``triton_atomic``),
+a torch SDPA backend forced with ``torch.nn.attention.sdpa_kernel`` (``sdpa_flash``, ``sdpa_cudnn``,
+``sdpa_efficient``, ``sdpa_math``), or ``flex_attention`` (torch's FlexAttention wrapped in ``torch.compile``,
+with a causal ``BlockMask`` when causal).
+
+How the backward is timed alone:
+
+* attnzoo backends: one forward gives ``o`` and ``lse``; the timed call is ``backend.backward(do, q, k, v, o,
+  lse, ...)`` on those saved tensors.
+* SDPA and FlexAttention: one forward on leaf inputs with ``requires_grad`` builds the autograd graph; the
+  timed call is ``torch.autograd.grad(out, (q, k, v), do, retain_graph=True)`` on that retained graph.
+
+In ``fwd`` mode SDPA and FlexAttention run on inputs without ``requires_grad`` (inference); in ``train`` mode
+their forward runs with autograd recording, as in training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import attnzoo
+from attnzoo.backends._tiles import tile_is_empty
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """One case's tensors: q ``[B, H, N, D]``, k/v ``[B, Hkv, N, D]``, do like q, seqlens_k ``[B]`` or None."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    do: Tensor
+    causal: bool
+    seqlens_k: Tensor | None
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+
+@dataclass
+class Prepared:
+    """Closures over one case; building them does no device work.
+
+    ``step()`` runs one complete step from the inputs alone (forward, and backward in train mode): the warm-up
+    and the peak-memory measurement use it.  ``forward()`` is one forward.  ``make_backward()`` (train mode)
+    runs one forward whose results it keeps, and returns the closure of one backward on them.
+    """
+
+    step: Callable[[], Any]
+    forward: Callable[[], Any]
+    make_backward: Callable[[], Callable[[], Any]] | None
+
+
+class Impl:
+    """Adapter interface: support questions, the prepared closures, and the tile skip ratio."""
+
+    name: str
+    gpu_only: bool = False
+
+    def reasons(self, inputs: Inputs) -> list[str]:
+        """Why this impl cannot run the case ([] when it can)."""
+        if self.gpu_only and inputs.device.type != "cuda":
+            return ["needs CUDA"]
+        return []
+
+    def prepare(self, inputs: Inputs, train: bool) -> Prepared:
+        raise NotImplementedError
+
+    def skip_ratio(self, inputs: Inputs) -> float | None:
+        """Fraction of the score tiles skipped without work (causal/padding early exit), None if unknown."""
+        return None
+
+
+def geometric_skip_ratio(
+    n_q: int, n_k: int, block_m: int, block_n: int, causal: bool, seqlens_k: list[int] | None
+) -> float:
+    """Fraction of ``block_m x block_n`` tiles of the score matrix that are fully masked.
+
+    Computed from the causal/padding geometry with the kernel's block sizes (the same test the blocked
+    backends use to skip a tile, :func:`attnzoo.backends._tiles.tile_is_empty`), averaged over the batch.
+    """
+    lengths = seqlens_k if seqlens_k is not None else [n_k]
+    total = skipped = 0
+    for length in lengths:
+        for m0 in range(0, n_q, block_m):
+            m1 = min(m0 + block_m, n_q)
+            for n0 in range(0, n_k, block_n):
+                total += 1
+                skipped += tile_is_empty(m0, m1, n0, n_q, n_k, causal, length)
+    return skipped / total if total else 0.0
+
+
+def _block_sizes(backend: Any) -> tuple[int, int] | None:
+    """The (block_m, block_n) a backend declares, if it declares them (as attributes or module constants)."""
+    for owner in (backend, __import__(type(backend).__module__, fromlist=["_"])):
+        for m_name, n_name in (("block_m", "block_n"), ("BLOCK_M", "BLOCK_N")):
+            m, n = getattr(owner, m_name, None), getattr(owner, n_name, None)
+            if isinstance(m, int) and isinstance(n, int):
+                return m, n
+    return None
+
+
+class BackendImpl(Impl):
+    """A registered attnzoo backend; ``forward``/``backward`` are the backend's own calls."""
+
+    def __init__(self, name: str, backend_name: str | None = None, options: dict | None = None):
+        self.name = name
+        self.backend_name = backend_name or name
+        self.options = options or {}
+        self._variant = None
+
+    @property
+    def backend(self):
+        """The registered instance, or a fresh instance of its class built with this variant's options."""
+        registered = attnzoo.get(self.backend_name)
+        if not self.options:
+            return registered
+        if self._variant is None:
+            self._variant = type(registered)(**self.options)
+        return self._variant
+
+    def reasons(self, inputs: Inputs) -> list[str]:
+        i = inputs
+        return self.backend.not_supported_reasons(i.q, i.k, i.v, causal=i.causal, seqlens_k=i.seqlens_k)
+
+    def prepare(self, inputs: Inputs, train: bool) -> Prepared:
+        be, i = self.backend, inputs
+
+        def forward():
+            return be.forward(i.q, i.k, i.v, causal=i.causal, seqlens_k=i.seqlens_k)
+
+        def backward_of(o, lse):
+            return be.backward(i.do, i.q, i.k, i.v, o, lse, causal=i.causal, seqlens_k=i.seqlens_k)
+
+        def step():
+            o, lse = forward()
+            return backward_of(o, lse) if train else o
+
+        def make_backward():
+            o, lse = forward()  # saved once; the timed backward reuses them
+            return lambda: backward_of(o, lse)
+
+        return Prepared(step, forward, make_backward if train else None)
+
+    def skip_ratio(self, inputs: Inputs) -> float | None:
+        blocks = _block_sizes(self.backend)
+        if blocks is None:
+            return None
+        n_q, n_k = inputs.q.shape[2], inputs.k.shape[2]
+        lengths = None if inputs.seqlens_k is None else inputs.seqlens_k.tolist()
+        return geometric_skip_ratio(n_q, n_k, *blocks, inputs.causal, lengths)
+
+
+def _autograd_prepared(inputs: Inputs, train: bool, run: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Prepared:
+    """Prepared closures for an autograd-differentiated impl (SDPA, FlexAttention)."""
+    i = inputs
+    if not train:
+
+        def inference():
+            with torch.no_grad():
+                return run(i.q, i.k, i.v)
+
+        return Prepared(inference, inference, None)
+
+    leaves = [t.detach().requires_grad_(True) for t in (i.q, i.k, i.v)]
+
+    def forward():
+        return run(*leaves)
+
+    def step():
+        return torch.autograd.grad(run(*leaves), leaves, i.do)
+
+    def make_backward():
+        out = forward()  # the graph that the timed backward differentiates again and again
+        return lambda: torch.autograd.grad(out, leaves, i.do, retain_graph=True)
+
+    return Prepared(step, forward, make_backward)
+
+
+def _key_padding_mask(inputs: Inputs) -> Tensor | None:
+    """Boolean ``[B, 1, N, Nk]`` mask (True = attend) for SDPA when there are key lengths, else None."""
+    i = inputs
+    if i.seqlens_k is None:
+        return None
+    n_q, n_k = i.q.shape[2], i.k.shape[2]
+    cols = torch.arange(n_k, device=i.device)
+    mask = (cols[None, :] < i.seqlens_k[:, None])[:, None, None, :].expand(-1, 1, n_q, -1)
+    if i.causal:  # SDPA takes attn_mask or is_causal, not both
+        rows = torch.arange(n_q, device=i.device)
+        mask = mask & (cols[None, :] <= rows[:, None] + (n_k - n_q))
+    return mask
+
+
+class SdpaImpl(Impl):
+    """``torch.nn.functional.scaled_dot_product_attention`` forced onto one SDPA backend."""
+
+    def __init__(self, name: str, sdpa_backend: str, gpu_only: bool):
+        self.name, self.sdpa_backend, self.gpu_only = name, sdpa_backend, gpu_only
+
+    def reasons(self, inputs: Inputs) -> list[str]:
+        reasons = super().reasons(inputs)
+        if inputs.seqlens_k is not None and self.sdpa_backend == "FLASH_ATTENTION":
+            reasons.append("SDPA flash takes no attention mask (key lengths)")
+        return reasons
+
+    def prepare(self, inputs: Inputs, train: bool) -> Prepared:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        backend = getattr(SDPBackend, self.sdpa_backend)
+        mask = _key_padding_mask(inputs)
+        is_causal = inputs.causal and mask is None
+        gqa = inputs.q.shape[1] != inputs.k.shape[1]
+
+        def run(q, k, v):
+            with sdpa_kernel(backend):
+                if gqa:
+                    return sdpa(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
+                return sdpa(q, k, v, attn_mask=mask, is_causal=is_causal)
+
+        return _autograd_prepared(inputs, train, run)
+
+
+_compiled_flex: Callable | None = None
+
+
+def _flex() -> Callable:
+    """``flex_attention`` compiled once per process (recompiled by dynamo per shape; the cache limit is raised)."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        import torch._dynamo
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # One compiled graph per (shape, dtype, requires_grad): a grid has dozens, above dynamo's default limit
+        # of 8, after which it would silently fall back to eager (materialising the scores).
+        torch._dynamo.config.cache_size_limit = 1024
+        torch._dynamo.config.accumulated_cache_size_limit = 4096
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+class FlexImpl(Impl):
+    """torch's FlexAttention, compiled; causal and key lengths become a ``BlockMask``."""
+
+    name = "flex_attention"
+    gpu_only = True
+
+    def _block_mask(self, inputs: Inputs):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        i = inputs
+        if not i.causal and i.seqlens_k is None:
+            return None
+        n_q, n_k = i.q.shape[2], i.k.shape[2]
+        lengths, causal, offset = i.seqlens_k, i.causal, n_k - n_q
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            keep = kv_idx <= q_idx + offset if causal else kv_idx >= 0
+            if lengths is not None:
+                keep = keep & (kv_idx < lengths[b])
+            return keep
+
+        batch = None if lengths is None else i.q.shape[0]
+        return create_block_mask(mask_mod, batch, None, n_q, n_k, device=i.device)
+
+    def prepare(self, inputs: Inputs, train: bool) -> Prepared:
+        flex, block_mask = _flex(), self._block_mask(inputs)
+        gqa = inputs.q.shape[1] != inputs.k.shape[1]
+
+        def run(q, k, v):
+            return flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+
+        return _autograd_prepared(inputs, train, run)
+
+    def skip_ratio(self, inputs: Inputs) -> float | None:
+        block_mask = self._block_mask(inputs)
+        return 0.0 if block_mask is None else block_mask.sparsity() / 100.0
+
+
+SDPA_IMPLS = {
+    "sdpa_flash": ("FLASH_ATTENTION", False),  # torch also has a CPU flash kernel
+    "sdpa_cudnn": ("CUDNN_ATTENTION", True),
+    "sdpa_efficient": ("EFFICIENT_ATTENTION", True),
+    "sdpa_math": ("MATH", False),
+}
+
+# Backend variants timed as their own impls: impl name -> (registered backend, constructor keyword options).
+BACKEND_VARIANTS: dict[str, tuple[str, dict]] = {}
+
+
+def impl_names() -> list[str]:
+    """Every impl name the benchmark knows: registered backends, their variants, SDPA and FlexAttention."""
+    return [*attnzoo.names(), *BACKEND_VARIANTS, *SDPA_IMPLS, "flex_attention"]
+
+
+def get_impl(name: str) -> Impl:
+    """The adapter of an impl name (ValueError listing the known names otherwise)."""
+    if name in SDPA_IMPLS:
+        return SdpaImpl(name, *SDPA_IMPLS[name])
+    if name == "flex_attention":
+        return FlexImpl()
+    if name in BACKEND_VARIANTS:
+        backend_name, options = BACKEND_VARIANTS[name]
+        return BackendImpl(name, backend_name, options)
+    if name in attnzoo.names():
+        return BackendImpl(name)
+    raise ValueError(f"unknown impl {name!r}; known: {', '.join(impl_names())}")
+
+
+def default_impls(cuda: bool) -> list[str]:
+    """Impls benchmarked when ``--impl`` is not given: all of them on a GPU, the CPU-capable ones otherwise."""
+    if cuda:
+        return impl_names()
+    cpu_backends = [n for n in attnzoo.names() if "cpu" in attnzoo.get(n).capabilities.devices]
+    return [*cpu_backends, "sdpa_flash", "sdpa_math"]

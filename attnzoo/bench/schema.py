@@ -1,0 +1,125 @@
+"""The benchmark CSV: its columns, and the operation counts that turn times into TFLOP/s.
+
+FLOPs are counted as in SPEC.md (and FlashAttention's papers): the forward is two ``N x N x D`` matrix
+products per head, ``4 * B * H * N^2 * D``, halved when causal (only the lower triangle is useful work);
+the backward is counted as 2.5x the forward (five products instead of two).
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Iterable
+from pathlib import Path
+
+COLUMNS = [
+    "gpu_name",
+    "gpu_sm",
+    "driver",
+    "torch_version",
+    "triton_version",
+    "dtype",
+    "mode",
+    "impl",
+    "B",
+    "H",
+    "Hkv",
+    "N",
+    "D",
+    "causal",
+    "seqlen_k",
+    "fwd_ms",
+    "bwd_ms",
+    "total_ms",
+    "tflops_fwd",
+    "tflops_bwd",
+    "tokens_per_s",
+    "peak_mem_mb",
+    "speedup_vs_sdpa_flash",
+    "speedup_vs_sdpa_cudnn",
+    "skip_ratio",
+    "status",
+]
+
+# status values: "ok", "oom", "skipped: <reason>", "error: <message>"
+STATUS_OK = "ok"
+STATUS_OOM = "oom"
+
+BACKWARD_FLOP_FACTOR = 2.5
+
+
+def forward_flops(B: int, H: int, N: int, D: int, causal: bool) -> float:
+    """Useful floating-point operations of one attention forward (``Nq == Nk == N``)."""
+    flops = 4.0 * B * H * N * N * D
+    return flops / 2 if causal else flops
+
+
+def backward_flops(B: int, H: int, N: int, D: int, causal: bool) -> float:
+    """Useful floating-point operations of one attention backward: 2.5x the forward."""
+    return BACKWARD_FLOP_FACTOR * forward_flops(B, H, N, D, causal)
+
+
+def tflops(flops: float, ms: float | None) -> float | None:
+    """TFLOP/s of ``flops`` done in ``ms`` milliseconds (None when there is no time)."""
+    if ms is None or ms <= 0:
+        return None
+    return flops / (ms * 1e-3) / 1e12
+
+
+def status_kind(status: str) -> str:
+    """The kind of a status cell: ``ok``, ``oom``, ``skipped`` or ``error``."""
+    return status.split(":", 1)[0].strip()
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def write_csv(path: str | Path, rows: Iterable[dict]) -> None:
+    """Write rows (dicts keyed by :data:`COLUMNS`; missing keys are empty cells) to ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({c: _cell(row.get(c)) for c in COLUMNS})
+
+
+_INT_COLUMNS = {"B", "H", "Hkv", "N", "D", "seqlen_k"}
+_FLOAT_COLUMNS = {
+    "fwd_ms",
+    "bwd_ms",
+    "total_ms",
+    "tflops_fwd",
+    "tflops_bwd",
+    "tokens_per_s",
+    "peak_mem_mb",
+    "speedup_vs_sdpa_flash",
+    "speedup_vs_sdpa_cudnn",
+    "skip_ratio",
+}
+
+
+def read_csv(path: str | Path) -> list[dict]:
+    """Read a bench CSV back: numbers as int/float, empty cells as None, ``causal`` as bool."""
+    rows = []
+    with Path(path).open(newline="") as f:
+        for raw in csv.DictReader(f):
+            row: dict = {}
+            for key, text in raw.items():
+                if key in _INT_COLUMNS:
+                    row[key] = int(text) if text else None
+                elif key in _FLOAT_COLUMNS:
+                    row[key] = float(text) if text else None
+                elif key == "causal":
+                    row[key] = text == "yes"
+                else:
+                    row[key] = text
+            rows.append(row)
+    return rows

@@ -1,0 +1,195 @@
+"""``@triton.jit`` helpers shared by the forward, the two-kernel backward and the atomic backward.
+
+Conventions used by every kernel:
+
+- Scores are kept in base-2 units: ``s2 = (q . k) * scale * log2(e)``, so that ``exp(s - m)`` becomes
+  ``exp2(s2 - m2)`` (one MUFU.EX2 instruction, no extra multiply).  The saved ``lse`` is natural-log; kernels
+  convert it with one multiply per row (``lse2 = lse * log2(e)``).
+- Mask convention: causal is bottom-right aligned, row ``i`` sees key ``j`` iff ``j <= i + (Nk - Nq)``;
+  ``seqlens_k[b]`` hides keys ``j >= seqlens_k[b]``.
+- Batch/head offsets are int64 (a tensor may have more than 2^31 elements); offsets inside a tile are int32
+  relative to a per-tile int64 base, so no int32 product can overflow.
+- K/V tiles are loaded only up to ``seqlen_k_b`` (the batch's key count): keys past it are read as zeros, so
+  whatever memory holds there (even NaN) never reaches ``P @ V``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
+LN2 = 0.6931471805599453  # ln(2): ln(x) = log2(x) * LN2
+
+
+@triton.jit
+def head_pointer(ptr, batch, head, stride_b, stride_h):
+    """Base pointer of one (batch, head) matrix, with int64 offsets (tensors of more than 2^31 elements)."""
+    return ptr + batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
+
+
+@triton.jit
+def tile_pointers(base, first_row, local_rows, cols, stride_row, stride_col):
+    """Pointers ``[len(local_rows), len(cols)]`` of the tile whose first row is ``first_row``.
+
+    The row start goes into the int64 scalar base; the per-element offsets stay small int32.
+    """
+    base = base + first_row.to(tl.int64) * stride_row
+    return base + local_rows[:, None] * stride_row + cols[None, :] * stride_col
+
+
+@triton.jit
+def load_tile(ptrs, rows, row_limit, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """Load a ``[rows, BLOCK_D]`` tile; rows ``>= row_limit`` (when CHECK_ROWS) and columns ``>= HEAD_DIM`` read 0.
+
+    Without CHECK_ROWS and with a power-of-two head dim the load carries no predicate at all, which lets the
+    compiler issue wide unpredicated copies in the unmasked stage of the loops.
+    """
+    if CHECK_ROWS:
+        if BLOCK_D == HEAD_DIM:
+            tile = tl.load(ptrs, mask=rows[:, None] < row_limit, other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=(rows[:, None] < row_limit) & (cols[None, :] < HEAD_DIM), other=0.0)
+    else:
+        if BLOCK_D == HEAD_DIM:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=cols[None, :] < HEAD_DIM, other=0.0)
+    return tile
+
+
+@triton.jit
+def store_tile(ptrs, value, rows, row_limit, cols, HEAD_DIM: tl.constexpr):
+    """Store a ``[rows, BLOCK_D]`` tile, skipping rows ``>= row_limit`` and columns ``>= HEAD_DIM``."""
+    tl.store(ptrs, value, mask=(rows[:, None] < row_limit) & (cols[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def key_visible(q_idx, k_idx, diagonal_offset, seqlen_k_b, CAUSAL: tl.constexpr):
+    """Whether query row ``q_idx`` sees key ``k_idx`` (broadcast: pass ``[M, 1]`` and ``[1, N]`` or transposed).
+
+    ``diagonal_offset = Nk - Nq`` (bottom-right causal alignment).
+    """
+    visible = k_idx < seqlen_k_b
+    if CAUSAL:
+        visible = visible & (k_idx <= q_idx + diagonal_offset)
+    return visible
+
+
+@triton.jit
+def batch_seqlen_k(seqlens_ptr, batch, seqlen_k, HAS_SEQLENS: tl.constexpr):
+    """Number of keys batch ``batch`` may see (``seqlens_k[batch]``, or ``Nk`` without seqlens_k)."""
+    if HAS_SEQLENS:
+        n = tl.load(seqlens_ptr + batch).to(tl.int32)
+    else:
+        n = seqlen_k + tl.zeros([], tl.int32)
+    return n
+
+
+@triton.jit
+def kv_loop_bounds(
+    start_m,
+    seqlen_q,
+    seqlen_k,
+    seqlen_k_b,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Key ranges for a Q-stationary program whose rows start at ``start_m`` -> ``(unmasked_end, end)``.
+
+    ``[0, unmasked_end)`` is a whole number of K/V tiles that every row of the block sees entirely (no mask
+    arithmetic needed); ``[unmasked_end, end)`` holds the diagonal/padding tiles that need the mask; tiles
+    from ``end`` on are hidden from every real row and are never loaded (block early exit).
+    """
+    diagonal_offset = seqlen_k - seqlen_q
+    if CAUSAL:
+        # The last real row of the block sees keys j <= last_row + offset; the first row j <= start_m + offset.
+        last_row = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
+        end = tl.minimum(seqlen_k_b, last_row + 1 + diagonal_offset)
+        unmasked_end = tl.minimum(seqlen_k_b, start_m + 1 + diagonal_offset)
+    else:
+        end = seqlen_k_b
+        unmasked_end = seqlen_k_b
+    end = tl.maximum(end, 0)
+    unmasked_end = (tl.maximum(unmasked_end, 0) // BLOCK_N) * BLOCK_N
+    return unmasked_end, end
+
+
+@triton.jit
+def q_loop_bounds(
+    start_n,
+    seqlen_q,
+    seqlen_k,
+    seqlen_k_b,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Query-row ranges for a K/V-stationary program whose keys start at ``start_n`` -> ``(lo, unmasked_lo, hi)``.
+
+    Q tiles ``[lo, unmasked_lo)`` need the mask (diagonal tiles, or all tiles when the key block reaches past
+    ``seqlen_k_b``); ``[unmasked_lo, hi)`` see every key of the block.  Rows before ``lo`` see none of its keys
+    and are never loaded; ``lo == hi`` when the block lies wholly past ``seqlen_k_b``.
+    """
+    diagonal_offset = seqlen_k - seqlen_q
+    hi = tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        # Row i sees key j iff i >= j - offset: the first row that sees the block's first key ...
+        first_row = tl.maximum(start_n - diagonal_offset, 0)
+        # ... and the first row that sees its last key.
+        full_row = tl.maximum(start_n + BLOCK_N - 1 - diagonal_offset, 0)
+        lo = tl.where(first_row < seqlen_q, (first_row // BLOCK_M) * BLOCK_M, hi)
+        unmasked_lo = tl.cdiv(full_row, BLOCK_M) * BLOCK_M
+    else:
+        lo = hi * 0
+        unmasked_lo = hi * 0
+    # A key block cut by seqlen_k_b needs the mask on every Q tile; one wholly past it is skipped.
+    unmasked_lo = tl.where(start_n + BLOCK_N > seqlen_k_b, hi, unmasked_lo)
+    lo = tl.where(start_n >= seqlen_k_b, hi, lo)
+    unmasked_lo = tl.minimum(tl.maximum(unmasked_lo, lo), hi)
+    return lo, unmasked_lo, hi
+
+
+@triton.jit
+def online_softmax_step(acc, m_i, l_i, scores, v_tile, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One FA2 online-softmax update with a ``[BLOCK_M, BLOCK_N]`` tile of base-2 scores (``-inf`` = hidden).
+
+    m_i: running row max (base 2), l_i: running row sum of ``exp2(s2 - m_i)``, acc: unnormalised output.
+    Normalisation is deferred to the end of the loop (one division per row instead of one per tile).
+    """
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    if MASKED:
+        # A row that has seen no visible key keeps m = -inf; shifting by 0 keeps exp2(-inf - -inf) = NaN out
+        # (alpha and p are then exactly 0).  Unmasked tiles always raise m to a finite value.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_shift = m_new
+    alpha = tl.math.exp2(m_i - m_shift)
+    p = tl.math.exp2(scores - m_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v_tile.dtype), v_tile, acc, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def load_lse2(lse_ptrs, rows, seqlen_q):
+    """Row LSE in base-2 units; empty rows (lse = -inf) and padding rows give +inf so that P = exp2(s - lse) = 0."""
+    lse = tl.load(lse_ptrs, mask=rows < seqlen_q, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    return lse * 1.4426950408889634
+
+
+@triton.jit
+def softmax_grad_tile(scores_raw, dp, lse2, delta, qk_scale, visible, MASKED: tl.constexpr):
+    """Recompute ``P = exp(S - lse)`` and ``dS = P * (dP - Delta)`` for one tile -> ``(p, ds)``.
+
+    ``lse2`` and ``delta`` come already broadcast to the tile's orientation (``[M, 1]`` for a ``[M, N]`` tile,
+    ``[1, M]`` for the transposed ``[N, M]`` tile of the K/V-stationary kernel).
+    """
+    p = tl.math.exp2(scores_raw * qk_scale - lse2)
+    if MASKED:
+        p = tl.where(visible, p, 0.0)
+    ds = p * (dp - delta)
+    return p, ds

@@ -1,0 +1,214 @@
+"""FlashAttention-2 forward in Triton, shared by ``triton_2kernel`` and ``triton_atomic``.
+
+One program per (Q block, batch*head): the ``[BLOCK_M, D]`` Q tile stays in registers while K/V tiles stream
+through shared memory.  The K/V range is split in two stages: whole tiles that every row sees (no mask
+arithmetic at all) and the diagonal/padding tiles that need the mask; tiles no real row sees are never loaded.
+Accumulators are float32; the output is normalised once at the end and ``lse`` (natural log) is saved for
+the backward.
+
+FLOPs: 4*B*H*Nq*Nk*D (two matrix products of 2*Nq*Nk*D each); minimal bytes: (|q| + |k| + |v| + |o|) * itemsize.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (
+    LOG2E,
+    batch_seqlen_k,
+    head_pointer,
+    key_visible,
+    kv_loop_bounds,
+    load_tile,
+    online_softmax_step,
+    store_tile,
+    tile_pointers,
+)
+from .launch import LaunchContext, grid_1d
+
+
+@triton.jit
+def _forward_stage(
+    acc,
+    m_i,
+    l_i,
+    visited,
+    q_tile,
+    k_head,
+    v_head,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    rows,
+    lo,
+    hi,
+    diagonal_offset,
+    seqlen_k_b,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Stream K/V tiles ``[lo, hi)`` through the online softmax (MASKED: apply the visibility mask)."""
+    local_n = tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_D)
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + local_n
+        k_tile = load_tile(
+            tile_pointers(k_head, start_n, local_n, cols, stride_kn, stride_kd),
+            keys,
+            seqlen_k_b,
+            cols,
+            HEAD_DIM,
+            BLOCK_D,
+            MASKED,
+        )
+        scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            visible = key_visible(rows[:, None], keys[None, :], diagonal_offset, seqlen_k_b, CAUSAL)
+            scores = tl.where(visible, scores, float("-inf"))
+        v_tile = load_tile(
+            tile_pointers(v_head, start_n, local_n, cols, stride_vn, stride_vd),
+            keys,
+            seqlen_k_b,
+            cols,
+            HEAD_DIM,
+            BLOCK_D,
+            MASKED,
+        )
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, scores, v_tile, MASKED, DOT_PRECISION)
+        visited += 1
+    return acc, m_i, l_i, visited
+
+
+@triton.jit
+def attention_forward_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    lse_ptr,
+    seqlens_ptr,
+    counts_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    num_heads,
+    group_size,
+    seqlen_q,
+    seqlen_k,
+    num_m_blocks,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DEBUG: tl.constexpr,
+):
+    """o, lse of one Q block of one (batch, head); grid: 1-d, num_m_blocks * B * H programs.
+
+    Consecutive programs share a (batch, head), so its K/V stays in L2 across them.  With CAUSAL the block
+    order is reversed so that the longest rows (most K/V tiles) start first and the tail of the grid is short.
+    DEBUG writes (visited, skipped) K/V tile counts of the program to ``counts_ptr``.
+    """
+    pid = tl.program_id(0)
+    bh = pid // num_m_blocks
+    m_block = pid % num_m_blocks
+    if CAUSAL:
+        m_block = num_m_blocks - 1 - m_block
+    batch = bh // num_heads
+    head = bh % num_heads
+    kv_head = head // group_size
+    start_m = m_block * BLOCK_M
+    seqlen_k_b = batch_seqlen_k(seqlens_ptr, batch, seqlen_k, HAS_SEQLENS)
+
+    local_m = tl.arange(0, BLOCK_M)
+    rows = start_m + local_m
+    cols = tl.arange(0, BLOCK_D)
+    q_head = head_pointer(q_ptr, batch, head, stride_qb, stride_qh)
+    k_head = head_pointer(k_ptr, batch, kv_head, stride_kb, stride_kh)
+    v_head = head_pointer(v_ptr, batch, kv_head, stride_vb, stride_vh)
+    q_tile = load_tile(
+        tile_pointers(q_head, start_m, local_m, cols, stride_qm, stride_qd), rows, seqlen_q, cols, HEAD_DIM, BLOCK_D, True
+    )
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    visited = tl.zeros([], tl.int32)
+    unmasked_end, end = kv_loop_bounds(start_m, seqlen_q, seqlen_k, seqlen_k_b, CAUSAL, BLOCK_M, BLOCK_N)
+    diagonal_offset = seqlen_k - seqlen_q
+    acc, m_i, l_i, visited = _forward_stage(
+        acc, m_i, l_i, visited, q_tile, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, rows,
+        0, unmasked_end, diagonal_offset, seqlen_k_b, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, False, DOT_PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i, visited = _forward_stage(
+        acc, m_i, l_i, visited, q_tile, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, rows,
+        unmasked_end, end, diagonal_offset, seqlen_k_b, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION,
+    )  # fmt: skip
+
+    # Rows with no visible key: l = 0, acc = 0, m = -inf -> o = 0, lse = -inf (no NaN).
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o_tile = acc * (1.0 / l_safe)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    o_head = head_pointer(o_ptr, batch, head, stride_ob, stride_oh)
+    store_tile(
+        tile_pointers(o_head, start_m, local_m, cols, stride_om, stride_od),
+        o_tile.to(o_ptr.dtype.element_ty),
+        rows,
+        seqlen_q,
+        cols,
+        HEAD_DIM,
+    )
+    tl.store(lse_ptr + bh.to(tl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
+    if DEBUG:
+        total = tl.cdiv(seqlen_k, BLOCK_N)
+        tl.store(counts_ptr + pid.to(tl.int64) * 0 + (bh * num_m_blocks + m_block) * 2, visited)
+        tl.store(counts_ptr + (bh * num_m_blocks + m_block) * 2 + 1, total - visited)
+
+
+def attention_forward(ctx: LaunchContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the forward on a prepared call -> ``o`` ``[B, H, Nq, D]`` (dtype of q), ``lse`` ``[B, H, Nq]`` float32."""
+    q, k, v = ctx.q, ctx.k, ctx.v
+    B, H, Nq, D = q.shape
+    o = ctx.new_output((B, H, Nq, D), q.dtype)
+    lse = ctx.new_output((B, H, Nq), torch.float32)
+
+    def launch(cfg) -> None:
+        num_m_blocks = triton.cdiv(Nq, cfg.block_m)
+        attention_forward_kernel[grid_1d(num_m_blocks * B * H)](
+            q, k, v, o, lse, ctx.seqlens, ctx.counts_for(num_m_blocks * B * H),
+            *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+            H, ctx.group_size, Nq, ctx.seqlen_k, num_m_blocks, ctx.scale * LOG2E,
+            HEAD_DIM=D, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+    ctx.run("forward", launch)
+    return o, lse

@@ -1,0 +1,67 @@
+"""Test set-up: the Triton interpreter when there is no GPU, the hypothesis profiles, a printed seed.
+
+``TRITON_INTERPRET`` is read when a ``@triton.jit`` kernel is defined, so it is set here, before any
+test module imports attnzoo.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Every backend output is NaN-filled before its kernel runs, so an element a kernel forgets to write fails.
+os.environ.setdefault("ATTNZOO_POISON_OUTPUTS", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, Verbosity, settings  # noqa: E402
+
+_common = dict(
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
+# ci: bounded for a 2-core machine without a GPU (Triton runs in the interpreter).
+settings.register_profile("ci", max_examples=25, **_common)
+# dev: the default on a workstation.
+settings.register_profile("dev", max_examples=40, **_common)
+# gpu: more and larger examples, for `pytest -m gpu --hypothesis-profile=gpu` on the device.
+settings.register_profile("gpu", max_examples=150, **_common)
+settings.register_profile("debug", max_examples=10, verbosity=Verbosity.verbose, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+_seed: int | None = None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Draw one hypothesis seed for the run unless --hypothesis-seed gave one, so that the header can print it."""
+    global _seed
+    from hypothesis import core
+
+    if core.global_force_seed is None:
+        core.global_force_seed = random.randrange(2**32)
+    _seed = core.global_force_seed
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    from hypothesis import settings as current
+
+    return [
+        f"hypothesis seed: {_seed} (reproduce with --hypothesis-seed={_seed}); "
+        f"profile {current.get_current_profile_name()!r}, max_examples={current.default.max_examples}",
+        f"cuda: {HAS_CUDA}; TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}",
+    ]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run -m gpu on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

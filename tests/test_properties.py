@@ -1,0 +1,116 @@
+"""Every registered backend against the float64 oracle, over random shapes, masks, dtypes and layouts.
+
+Backends are discovered from ``attnzoo.names()``: a backend added later is covered without touching
+this file.  A case is skipped only when the backend declares it unsupported, and declaring a case
+unsupported that SPEC.md requires fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cases import F64, Case, backend_features_ok, cases, run_and_check, spec_requires
+from hypothesis import given
+from hypothesis import strategies as st
+
+import attnzoo
+from attnzoo.backend import triton_interpreter_active
+from attnzoo.validation import validate_forward
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _limits(name: str) -> dict:
+    """Sizes per example: the Triton interpreter runs every program in Python, so it gets small shapes."""
+    if DEVICE == "cpu" and name.startswith("triton") and triton_interpreter_active():
+        return dict(max_seqlen=72, max_head_dim=128)
+    return dict(max_seqlen=140, max_head_dim=256)
+
+
+@pytest.mark.parametrize("name", attnzoo.names())
+def test_declares_every_required_feature(name):
+    assert backend_features_ok(name) == set()
+
+
+def _run_if_supported(backend: attnzoo.Backend, case: Case) -> None:
+    x = case.make(DEVICE)
+    reasons = backend.not_supported_reasons(x["q"], x["k"], x["v"], case.causal, case.scale, x["seqlens_k"])
+    if reasons:
+        problem = validate_forward(x["q"], x["k"], x["v"], case.causal, case.scale, x["seqlens_k"])
+        assert not spec_requires(backend.name, problem), f"{backend.name} refuses a case SPEC.md requires: {reasons}"
+        return
+    run_and_check(backend, case, DEVICE)
+
+
+@pytest.mark.parametrize("name", attnzoo.names())
+@given(data=st.data())
+def test_matches_oracle(name, data):
+    backend = attnzoo.get(name)
+    dtypes = tuple(sorted(backend.capabilities.dtypes, key=str))
+    _run_if_supported(backend, data.draw(cases(dtypes=dtypes, **_limits(name)), label="case"))
+
+
+EDGE_CASES = {
+    # every row of batch 0 masked by seqlens_k, and causal with Nq > Nk leaving the top rows of batch 1 empty
+    "fully-masked": dict(
+        batch=2,
+        heads=4,
+        kv_heads=2,
+        seqlen_q=37,
+        seqlen_k=20,
+        head_dim=24,
+        causal=True,
+        seqlens_k=(0, 20),
+        layout="contiguous",
+        scale=None,
+    ),
+    "one-query-one-key-mqa": dict(
+        batch=1,
+        heads=3,
+        kv_heads=1,
+        seqlen_q=1,
+        seqlen_k=1,
+        head_dim=8,
+        causal=False,
+        seqlens_k=None,
+        layout="bnhd",
+        scale=0.3,
+    ),
+    "causal-nq-lt-nk": dict(
+        batch=1,
+        heads=2,
+        kv_heads=2,
+        seqlen_q=5,
+        seqlen_k=67,
+        head_dim=40,
+        causal=True,
+        seqlens_k=None,
+        layout="padded",
+        scale=None,
+    ),
+}
+
+
+@pytest.mark.parametrize("edge", list(EDGE_CASES))
+@pytest.mark.parametrize("name", attnzoo.names())
+def test_edge_cases(name, edge):
+    backend = attnzoo.get(name)
+    for dtype in sorted(backend.capabilities.dtypes, key=str):
+        _run_if_supported(backend, Case(**EDGE_CASES[edge], dtype=dtype, seed=11))
+
+
+@pytest.mark.parametrize("name", attnzoo.names())
+def test_fully_masked_rows_give_zero_output_and_gradients(name):
+    backend = attnzoo.get(name)
+    dtype = F64 if F64 in backend.capabilities.dtypes else torch.float32
+    case = Case(2, 2, 1, 9, 9, 16, True, (0, 3), dtype, "contiguous", None, 7)
+    x = case.make(DEVICE)
+    if backend.not_supported_reasons(x["q"], x["k"], x["v"], True, None, x["seqlens_k"]):
+        pytest.skip("not supported here")
+    o, lse = backend.forward(x["q"], x["k"], x["v"], causal=True, seqlens_k=x["seqlens_k"])
+    dq, dk, dv = backend.backward(x["do"], x["q"], x["k"], x["v"], o, lse, causal=True, seqlens_k=x["seqlens_k"])
+    assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isneginf(lse[0]).all()
+    assert torch.equal(dq[0], torch.zeros_like(dq[0]))
+    assert torch.equal(dk[0], torch.zeros_like(dk[0])) and torch.equal(dv[0], torch.zeros_like(dv[0]))
+    # batch 1 sees keys 0..2 only: keys 3.. get no gradient, and no row is fully masked.
+    assert torch.equal(dk[1, :, 3:], torch.zeros_like(dk[1, :, 3:])) and torch.isfinite(lse[1]).all()
