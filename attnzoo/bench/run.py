@@ -1,0 +1,303 @@
+"""``python -m attnzoo bench``: time implementations over a grid of shapes and write one CSV row per case.
+
+Shapes follow SPEC.md's fixed token budget unless ``--B``/``--H`` are given: ``B = tokens / N`` and
+``H = width / D`` (16384 tokens and width 2048 on a GPU).  Every case gets fresh random inputs.  A case an impl
+does not support is written as ``skipped: <reason>``, an out-of-memory case as ``oom``; neither stops the run.
+
+Without CUDA the defaults shrink to a tiny float32 grid over the CPU-capable impls (timed with
+``time.perf_counter``), so that CI exercises the tool itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import impls as impl_registry
+from . import timing
+from .machine import machine_info, machine_tag
+from .progress import Progress
+from .schema import STATUS_OK, STATUS_OOM, backward_flops, forward_flops, status_kind, tflops, write_csv
+
+DTYPES = {
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+}
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+
+# Defaults per machine kind: (dtypes, head dims, sequence lengths, tokens, width, warmup, repeat, max_call_s)
+GPU_DEFAULTS = dict(dtype="fp16,bf16", d="64,128", N="1024,2048,4096,8192,16384", tokens=16384, width=2048)
+CPU_DEFAULTS = dict(dtype="fp32", d="32", N="64,128", tokens=128, width=64)
+REFERENCE_IMPLS = {"speedup_vs_sdpa_flash": "sdpa_flash", "speedup_vs_sdpa_cudnn": "sdpa_cudnn"}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row of the grid."""
+
+    dtype: torch.dtype
+    mode: str  # "fwd" or "train"
+    impl: str
+    B: int
+    H: int
+    Hkv: int
+    N: int
+    D: int
+    causal: bool
+    seqlen_k: int  # keys visible per batch (N unless --seqlen-k-frac < 1, then passed as seqlens_k)
+
+    @property
+    def train(self) -> bool:
+        return self.mode == "train"
+
+    def label(self) -> str:
+        causal = "causal" if self.causal else "full"
+        return f"{self.mode} {DTYPE_NAMES[self.dtype]} D={self.D} N={self.N} {causal} {self.impl}"
+
+    def row(self) -> dict:
+        return {
+            "dtype": DTYPE_NAMES[self.dtype],
+            "mode": self.mode,
+            "impl": self.impl,
+            "B": self.B,
+            "H": self.H,
+            "Hkv": self.Hkv,
+            "N": self.N,
+            "D": self.D,
+            "causal": self.causal,
+            "seqlen_k": self.seqlen_k,
+        }
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _seq_lengths(text: str) -> list[int]:
+    """ "1024,2k,16k" -> [1024, 2048, 16384] ("k" means 1024 here, as sequence lengths are powers of two)."""
+    out = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if item:
+            out.append(int(item[:-1]) * 1024 if item.endswith("k") else int(item))
+    return out
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    cuda = torch.cuda.is_available()
+    defaults = GPU_DEFAULTS if cuda else CPU_DEFAULTS
+    p = argparse.ArgumentParser(prog="python -m attnzoo bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", default="fwd,train", help="fwd, train, or both (comma list accepted)")
+    p.add_argument("--dtype", default=defaults["dtype"], help="comma list of fp16, bf16, fp32, fp64")
+    p.add_argument("--causal", default="both", choices=["yes", "no", "both"])
+    p.add_argument("--d", default=defaults["d"], help="head dims, comma list")
+    p.add_argument("--N", default=defaults["N"], help="sequence lengths, comma list (2k = 2048)")
+    p.add_argument("--B", type=int, default=None, help="batch size (default: tokens / N)")
+    p.add_argument("--H", type=int, default=None, help="query heads (default: width / D)")
+    p.add_argument("--Hkv", type=int, default=None, help="K/V heads (default: H)")
+    p.add_argument("--tokens", type=int, default=defaults["tokens"], help="token budget B*N when --B is not given")
+    p.add_argument("--width", type=int, default=defaults["width"], help="model width H*D when --H is not given")
+    p.add_argument(
+        "--seqlen-k-frac", type=float, default=1.0, help="visible keys per batch as a fraction of N (<1: seqlens_k)"
+    )
+    p.add_argument("--impl", default="all", help=f"comma list or 'all'; known: {', '.join(impl_registry.impl_names())}")
+    p.add_argument("--warmup", type=int, default=5 if cuda else 1, help="untimed calls before timing")
+    p.add_argument("--repeat", type=int, default=20 if cuda else 3, help="timed calls (the median is kept)")
+    p.add_argument(
+        "--max-call-s",
+        type=float,
+        default=10.0,
+        help="a step slower than this (after compilation) is recorded as skipped, and so are larger N of that impl",
+    )
+    p.add_argument("--out", default=None, help="CSV path (default bench/results/<machine>_bench.csv)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def build_grid(args: argparse.Namespace) -> list[Case]:
+    """The cases in run order: grouped by (dtype, D, causal, mode), each impl over increasing N."""
+    modes = ["fwd", "train"] if args.mode == "both" else [m for m in args.mode.split(",") if m]
+    for mode in modes:
+        if mode not in ("fwd", "train"):
+            raise SystemExit(f"--mode must be fwd, train or both, got {mode!r}")
+    dtypes = []
+    for name in args.dtype.split(","):
+        if name not in DTYPES:
+            raise SystemExit(f"--dtype {name!r} unknown; use {', '.join(DTYPE_NAMES.values())}")
+        dtypes.append(DTYPES[name])
+    causals = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
+    cuda = torch.cuda.is_available()
+    names = impl_registry.default_impls(cuda) if args.impl == "all" else [n for n in args.impl.split(",") if n]
+    for name in names:
+        impl_registry.get_impl(name)  # unknown names fail here, before any case runs
+    cases = []
+    for dtype in dtypes:
+        for D in _ints(args.d):
+            H = args.H or max(1, args.width // D)
+            Hkv = args.Hkv or H
+            for causal in causals:
+                for mode in modes:
+                    for name in names:
+                        for N in sorted(_seq_lengths(args.N)):
+                            B = args.B or max(1, args.tokens // N)
+                            seqlen_k = max(1, math.floor(args.seqlen_k_frac * N)) if args.seqlen_k_frac < 1 else N
+                            cases.append(Case(dtype, mode, name, B, H, Hkv, N, D, causal, seqlen_k))
+    return cases
+
+
+def make_inputs(case: Case, device: torch.device, seed: int) -> impl_registry.Inputs:
+    """Fresh standard-normal q, k, v, do for one case (never zeros), seeded by the case for reproducibility."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(zlib.crc32(f"{seed}:{case}".encode()))
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=case.dtype)
+
+    q = randn(case.B, case.H, case.N, case.D)
+    k, v = randn(case.B, case.Hkv, case.N, case.D), randn(case.B, case.Hkv, case.N, case.D)
+    do = randn(case.B, case.H, case.N, case.D)
+    seqlens = None
+    if case.seqlen_k < case.N:
+        seqlens = torch.full((case.B,), case.seqlen_k, dtype=torch.int32, device=device)
+    return impl_registry.Inputs(q, k, v, do, case.causal, seqlens)
+
+
+class TooSlowError(Exception):
+    """One step took longer than --max-call-s."""
+
+
+def measure(case: Case, impl: impl_registry.Impl, inputs: impl_registry.Inputs, args, baseline: int) -> dict:
+    """Time one supported case: forward (and backward alone in train mode), and its peak memory."""
+    device = inputs.device
+    prepared = impl.prepare(inputs, case.train)
+    prepared.step()  # first call: compilation, autotuning, handle creation; never timed, never in the peak
+    timing.synchronize(device)
+    timing.reset_peak(device)  # the window's peak starts at what is allocated now; baseline predates the inputs
+    seconds = timing.wall_seconds(prepared.step, device)
+    peak_mb = timing.peak_mb_since(device, baseline)
+    if seconds > args.max_call_s:
+        raise TooSlowError(f"one step took {seconds:.1f} s > --max-call-s {args.max_call_s:g}")
+    fwd_ms = timing.median_ms(prepared.forward, device, args.warmup, args.repeat)
+    bwd_ms = None
+    if case.train:
+        backward = prepared.make_backward()
+        bwd_ms = timing.median_ms(backward, device, args.warmup, args.repeat)
+        del backward
+    total_ms = fwd_ms + (bwd_ms or 0.0)
+    shape = (case.B, case.H, case.N, case.D, case.causal)
+    return {
+        "fwd_ms": fwd_ms,
+        "bwd_ms": bwd_ms,
+        "total_ms": total_ms,  # train: forward + backward, each timed alone
+        "tflops_fwd": tflops(forward_flops(*shape), fwd_ms),
+        "tflops_bwd": tflops(backward_flops(*shape), bwd_ms),
+        "tokens_per_s": case.B * case.N / (total_ms * 1e-3),
+        "peak_mem_mb": peak_mb,
+        "skip_ratio": impl.skip_ratio(inputs),
+        "status": STATUS_OK,
+    }
+
+
+def _is_oom(error: BaseException) -> bool:
+    return isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)) or "out of memory" in str(error).lower()
+
+
+def _is_unsupported(error: BaseException) -> bool:
+    text = str(error)
+    return isinstance(error, NotImplementedError) or "No available kernel" in text or "No viable backend" in text
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return (text[0] if text else type(error).__name__)[:300]
+
+
+def run_case(case: Case, args, device: torch.device) -> dict:
+    """One case's measured columns and status; never raises for unsupported, out-of-memory or failing cases."""
+    impl = impl_registry.get_impl(case.impl)
+    baseline = timing.reset_peak(device)
+    inputs = None
+    try:
+        inputs = make_inputs(case, device, args.seed)
+        reasons = impl.reasons(inputs)
+        if reasons:
+            return {"status": "skipped: " + "; ".join(reasons)}
+        return measure(case, impl, inputs, args, baseline)
+    except TooSlowError as error:
+        return {"status": f"skipped: too slow ({error})"}
+    except Exception as error:  # a benchmark row records what happened instead of stopping the grid
+        if _is_oom(error):
+            return {"status": STATUS_OOM}
+        if _is_unsupported(error):
+            return {"status": "skipped: " + _first_line(error)}
+        return {"status": f"error: {type(error).__name__}: {_first_line(error)}"}
+    finally:
+        del inputs
+        timing.release_memory(device)
+
+
+def fill_speedups(rows: list[dict]) -> None:
+    """speedup_vs_X = time of X / time of the row, for the same case measured in the same run (total_ms)."""
+
+    def key(row):
+        return tuple(row[c] for c in ("dtype", "mode", "B", "H", "Hkv", "N", "D", "causal", "seqlen_k"))
+
+    for column, ref_impl in REFERENCE_IMPLS.items():
+        refs = {key(r): r["total_ms"] for r in rows if r["impl"] == ref_impl and r["status"] == STATUS_OK}
+        for row in rows:
+            ref = refs.get(key(row))
+            if row["status"] == STATUS_OK and ref:
+                row[column] = ref / row["total_ms"]
+
+
+def run_grid(cases: list[Case], args, device: torch.device) -> list[dict]:
+    """Run every case in order; larger N of an impl that was too slow at a smaller N are skipped, not run."""
+    machine = machine_info()
+    progress = Progress(len(cases), enabled=not args.quiet)
+    too_slow: dict[tuple, int] = {}  # (dtype, mode, impl, D, causal) -> the N where it was too slow
+    rows = []
+    for case in cases:
+        group = (case.dtype, case.mode, case.impl, case.D, case.causal)
+        if group in too_slow:
+            result = {"status": f"skipped: too slow at N={too_slow[group]} (--max-call-s)"}
+        else:
+            result = run_case(case, args, device)
+            if result["status"].startswith("skipped: too slow"):
+                too_slow[group] = case.N
+        rows.append({**machine, **case.row(), **result})
+        outcome = result["status"]
+        if status_kind(outcome) == STATUS_OK:
+            outcome = f"{result['total_ms']:.3f} ms"
+        progress.advance(case.label(), outcome)
+    fill_speedups(rows)
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cases = build_grid(args)
+    start = time.perf_counter()
+    rows = run_grid(cases, args, device)
+    out = Path(args.out or f"bench/results/{machine_tag(machine_info()['gpu_name'])}_bench.csv")
+    write_csv(out, rows)
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[status_kind(row["status"])] = counts.get(status_kind(row["status"]), 0) + 1
+    summary = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
+    print(f"wrote {len(rows)} rows to {out} ({summary}) in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return 0
