@@ -1,0 +1,162 @@
+"""SPEC.md, "Bad input": every public call validates before any kernel starts, raises ValueError or TypeError
+naming the argument, and modifies nothing."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import attnzoo
+
+B, H, HKV, NQ, NK, D = 2, 4, 2, 8, 6, 16
+
+
+def good(dtype=torch.float32):
+    q = torch.randn(B, H, NQ, D, dtype=dtype)
+    k = torch.randn(B, HKV, NK, D, dtype=dtype)
+    v = torch.randn(B, HKV, NK, D, dtype=dtype)
+    return q, k, v
+
+
+# (what is wrong, the error type, a word the message must contain, a function of (q, k, v) giving the call's kwargs)
+FORWARD_CASES = [
+    ("q of rank 3", ValueError, "q", lambda q, k, v: dict(q=q[0])),
+    ("k of rank 5", ValueError, "k", lambda q, k, v: dict(k=k[None])),
+    ("batch mismatch", ValueError, "batch", lambda q, k, v: dict(k=k[:1], v=v[:1])),
+    ("head dim mismatch", ValueError, "head dim", lambda q, k, v: dict(k=k[..., :8], v=v[..., :8])),
+    ("k and v lengths differ", ValueError, "k and v", lambda q, k, v: dict(v=v[:, :, :3])),
+    (
+        "H % Hkv != 0",
+        ValueError,
+        "multiple",
+        lambda q, k, v: dict(k=k.repeat(1, 3, 1, 1)[:, :3], v=v[:, :1].repeat(1, 3, 1, 1)),
+    ),
+    ("different devices", ValueError, "device", lambda q, k, v: dict(k=k.to("meta"))),
+    ("mixed dtypes", TypeError, "dtype", lambda q, k, v: dict(v=v.double())),
+    ("integer dtype", TypeError, "dtype", lambda q, k, v: dict(q=q.to(torch.int32))),
+    ("complex dtype", TypeError, "dtype", lambda q, k, v: dict(q=q.to(torch.complex64))),
+    ("q is a list", TypeError, "q", lambda q, k, v: dict(q=q.tolist())),
+    ("causal is a string", TypeError, "causal", lambda q, k, v: dict(causal="yes")),
+    ("scale is a string", TypeError, "scale", lambda q, k, v: dict(scale="0.1")),
+    ("scale is NaN", ValueError, "scale", lambda q, k, v: dict(scale=float("nan"))),
+    ("seqlens_k of wrong shape", ValueError, "seqlens_k", lambda q, k, v: dict(seqlens_k=torch.tensor([1, 2, 3]))),
+    ("seqlens_k of float dtype", TypeError, "seqlens_k", lambda q, k, v: dict(seqlens_k=torch.tensor([1.0, 2.0]))),
+    ("seqlens_k above Nk", ValueError, "seqlens_k", lambda q, k, v: dict(seqlens_k=torch.tensor([1, NK + 1]))),
+    ("seqlens_k negative", ValueError, "seqlens_k", lambda q, k, v: dict(seqlens_k=torch.tensor([-1, 2]))),
+    ("seqlens_k a list", TypeError, "seqlens_k", lambda q, k, v: dict(seqlens_k=[1, 2])),
+]
+
+
+def _call_forward(backend, **changes):
+    q, k, v = good()
+    args = dict(q=q, k=k, v=v, causal=False, scale=None, seqlens_k=None)
+    args.update(changes)
+    return backend.forward(**args)
+
+
+@pytest.fixture
+def no_kernel(monkeypatch):
+    """Make any kernel launch fail the test: validation must come first."""
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a kernel ran before validation")
+
+    for name in attnzoo.names():
+        monkeypatch.setattr(attnzoo.get(name), "_forward", fail)
+        monkeypatch.setattr(attnzoo.get(name), "_backward", fail)
+
+
+@pytest.mark.parametrize("name", attnzoo.names())
+@pytest.mark.parametrize("what, error, word, change", FORWARD_CASES, ids=[c[0] for c in FORWARD_CASES])
+def test_forward_rejects(name, what, error, word, change, no_kernel):
+    q, k, v = good()
+    with pytest.raises(error, match=word):
+        _call_forward(attnzoo.get(name), **change(q, k, v))
+
+
+@pytest.mark.parametrize("name", attnzoo.names())
+@pytest.mark.parametrize("what, error, word, change", FORWARD_CASES, ids=[c[0] for c in FORWARD_CASES])
+def test_attention_and_support_query_reject(name, what, error, word, change, no_kernel):
+    q, k, v = good()
+    args = dict(q=q, k=k, v=v, causal=False, scale=None, seqlens_k=None)
+    args.update(change(q, k, v))
+    with pytest.raises(error, match=word):
+        attnzoo.attention(**args, backend=name)
+    with pytest.raises(error, match=word):
+        attnzoo.get(name).not_supported_reasons(**args)
+
+
+BACKWARD_CASES = [
+    ("do of wrong shape", ValueError, "do", lambda do, o, lse: dict(do=do[:, :, :3])),
+    ("o of wrong dtype", TypeError, "o", lambda do, o, lse: dict(o=o.double())),
+    ("lse of wrong shape", ValueError, "lse", lambda do, o, lse: dict(lse=lse[..., None])),
+    ("lse of wrong dtype", TypeError, "lse", lambda do, o, lse: dict(lse=lse.double())),
+    ("do on another device", ValueError, "do", lambda do, o, lse: dict(do=do.to("meta"))),
+]
+
+
+@pytest.mark.parametrize("name", attnzoo.names())
+@pytest.mark.parametrize("what, error, word, change", BACKWARD_CASES, ids=[c[0] for c in BACKWARD_CASES])
+def test_backward_rejects(name, what, error, word, change, no_kernel):
+    q, k, v = good()
+    do, o, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(B, H, NQ)
+    args = dict(do=do, o=o, lse=lse)
+    args.update(change(do, o, lse))
+    with pytest.raises(error, match=word):
+        attnzoo.get(name).backward(args["do"], q, k, v, args["o"], args["lse"])
+
+
+@pytest.mark.parametrize("name", attnzoo.names())
+def test_head_dim_above_the_declared_limit_is_a_value_error(name, no_kernel):
+    limit = attnzoo.get(name).capabilities.max_head_dim
+    if limit is None:
+        pytest.skip(f"{name} declares no head-dim limit")
+    q = torch.randn(1, 1, 4, limit + 8)
+    with pytest.raises(ValueError, match=f"D={limit + 8}"):
+        attnzoo.get(name).forward(q, q, q)
+
+
+@pytest.mark.parametrize("name", attnzoo.names())
+def test_bad_input_modifies_nothing(name):
+    q, k, v = good()
+    copies = [x.clone() for x in (q, k, v)]
+    with pytest.raises(ValueError):
+        attnzoo.get(name).forward(q, k, v, seqlens_k=torch.tensor([NK + 5, 0]))
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), copies, strict=True))
+
+
+def test_unsupported_case_is_not_implemented_with_the_reasons():
+    q, k, v = good()
+    meta = [x.to("meta") for x in (q, k, v)]
+    reasons = attnzoo.get("torch_fa2").not_supported_reasons(*meta)
+    assert reasons and "meta" in reasons[0]
+    with pytest.raises(NotImplementedError, match=re.escape(reasons[0])):
+        attnzoo.get("torch_fa2").forward(*meta)
+    with pytest.raises(TypeError, match=r"q must be a torch\.Tensor"):
+        attnzoo.get("torch_fa2").forward(q.numpy(), k.numpy(), v.numpy())
+    with pytest.raises(TypeError, match=r"torch\.Tensor or numpy\.ndarray"):
+        attnzoo.get("numpy_ref").forward(q.tolist(), k, v)
+    with pytest.raises(TypeError, match="must all be torch tensors or all numpy arrays"):
+        attnzoo.get("numpy_ref").forward(q.numpy(), k, v)
+
+
+def test_unknown_backend_lists_the_known_names():
+    with pytest.raises(ValueError, match="torch_fa2") as info:
+        attnzoo.get("flash9")
+    assert all(name in str(info.value) for name in attnzoo.names())
+    q, k, v = good()
+    with pytest.raises(ValueError, match="unknown backend"):
+        attnzoo.attention(q, k, v, backend="flash9")
+    with pytest.raises(TypeError, match="backend"):
+        attnzoo.attention(q, k, v, backend=3)
+
+
+def test_numpy_inputs_are_checked_too():
+    q, k, v = (x.numpy() for x in good())
+    with pytest.raises(TypeError, match="dtype"):
+        attnzoo.get("numpy_ref").forward(q.astype(np.int64), k, v)
+    with pytest.raises(ValueError, match="rank"):
+        attnzoo.get("numpy_ref").forward(q[0], k, v)
