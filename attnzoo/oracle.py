@@ -109,3 +109,70 @@ def plain_torch(q, k, v, do=None, causal: bool = False, scale: float | None = No
     q, k, v = (_as_torch(x).detach() for x in (q, k, v))
     do = None if do is None else _as_torch(do).detach()
     return _explicit(q, k, v, do, causal, scale, seqlens_k, q.dtype)
+
+
+# -- SPEC.md's error rule -------------------------------------------------------------------------------------
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+# Rounding unit of each dtype: the absolute slack of the low-precision rule (relative to the reference's
+# largest magnitude, at least 1).
+EPS = {torch.float64: 2.0**-52, torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+# Fixed tolerances for float32 and float64, relative to the same magnitude.  float32: sums of up to a few
+# hundred products.  float64: the backward reads the float32 lse of the contract, so P = exp(S - lse)
+# carries one float32 rounding; the forward is held to float64 accuracy.
+FIXED_TOL = {
+    torch.float32: {"o": 2e-5, "lse": 2e-5, "dq": 1e-4, "dk": 1e-4, "dv": 1e-4},
+    torch.float64: {"o": 1e-10, "lse": 2e-6, "dq": 2e-5, "dk": 2e-5, "dv": 2e-5},
+}
+
+
+@dataclass
+class Check:
+    """One output compared with the oracle: its max error, the bound it must meet, and why it failed."""
+
+    error: float
+    bound: float
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.message and self.error <= self.bound
+
+    @property
+    def ratio(self) -> float:
+        return self.error / self.bound if self.bound else 0.0
+
+
+def error_bound(name: str, ref: Tensor, baseline: Tensor | None, dtype: torch.dtype) -> float:
+    """SPEC.md's rule.  float16/bfloat16: twice the max error of :func:`plain_torch` (``baseline``) plus one
+    rounding unit; float32/float64: a fixed tolerance.  Both relative to ``max(1, max|ref|)``."""
+    magnitude = max(1.0, float(ref.abs().max())) if ref.numel() else 1.0
+    if dtype in LOW_PRECISION:
+        base_err = float((baseline.double().cpu() - ref).abs().max()) if ref.numel() else 0.0
+        return 2.0 * base_err + EPS[dtype] * magnitude
+    return FIXED_TOL[dtype][name] * magnitude
+
+
+def check_output(name: str, got, ref: Tensor, baseline, dtype: torch.dtype) -> Check:
+    """Compare output ``name`` ("o", "lse", "dq", "dk" or "dv") of a backend with the oracle's ``ref``.
+
+    ``baseline`` is :func:`plain_torch`'s same output (needed for float16/bfloat16).  NaN anywhere fails;
+    for ``lse`` the rows with no visible key must be exactly ``-inf`` and are left out of the error.
+    """
+    got = _as_torch(got).detach().cpu().double()
+    if got.shape != ref.shape:
+        return Check(float("inf"), 0.0, f"shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
+    if torch.isnan(got).any():
+        return Check(float("nan"), 0.0, f"NaN in {int(torch.isnan(got).sum())} elements")
+    if baseline is not None:
+        baseline = _as_torch(baseline).detach().cpu().double()
+    if name == "lse":
+        no_key = torch.isneginf(ref)
+        if not torch.equal(torch.isneginf(got), no_key):
+            return Check(float("inf"), 0.0, "lse is not -inf exactly on the rows that see no key")
+        ref, got = ref[~no_key], got[~no_key]
+        baseline = None if baseline is None else baseline[~no_key]
+    error = float((got - ref).abs().max()) if ref.numel() else 0.0
+    bound = error_bound(name, ref, baseline, dtype)
+    message = "" if error <= bound else f"max error {error:.3e} > bound {bound:.3e}"
+    return Check(error, bound, message)

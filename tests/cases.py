@@ -12,7 +12,7 @@ from attnzoo import oracle
 from attnzoo.backend import REQUIRED_FEATURES, triton_interpreter_active
 
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
-LOW_PRECISION = (F16, BF16)
+LOW_PRECISION = oracle.LOW_PRECISION
 
 # SPEC.md, "Names" and "Dtypes": float64 on the reference backends, float32/float16/bfloat16 on every backend.
 REFERENCE_BACKENDS = ("numpy_ref", "torch_fa1", "torch_fa2")
@@ -23,16 +23,6 @@ for _name in TRITON_BACKENDS:
     SPEC_DEVICES[_name] = {"cuda", "cpu"}  # CPU only through the Triton interpreter
     SPEC_DTYPES[_name] = {F32, F16, BF16}
 SPEC_MIN_HEAD_DIM_LIMIT = {name: 256 for name in TRITON_BACKENDS}
-
-# Rounding unit of each dtype: the absolute slack of the low-precision rule, and the scale of the fixed
-# tolerances of float32/float64 (applied relative to the largest magnitude of the reference).
-EPS = {F64: 2.0**-52, F32: 2.0**-23, F16: 2.0**-10, BF16: 2.0**-7}
-# float32: sums of up to a few hundred products.  float64: the backward reads the float32 lse of the
-# contract, so P = exp(S - lse) carries a float32 rounding; the forward is held to float64 accuracy.
-FIXED_TOL = {
-    F32: {"o": 2e-5, "lse": 2e-5, "dq": 1e-4, "dk": 1e-4, "dv": 1e-4},
-    F64: {"o": 1e-10, "lse": 2e-6, "dq": 2e-5, "dk": 2e-5, "dv": 2e-5},
-}
 
 
 @dataclass(frozen=True)
@@ -131,32 +121,11 @@ def backend_features_ok(backend_name: str) -> set[str]:
     return set(REQUIRED_FEATURES) - set(attnzoo.get(backend_name).capabilities.features)
 
 
-def error_bound(name: str, ref: torch.Tensor, baseline: torch.Tensor | None, dtype: torch.dtype) -> float:
-    """SPEC.md's rule: for float16/bfloat16, twice plain PyTorch's max error plus a slack of one rounding unit
-    (relative to the reference's magnitude); for float32/float64 a fixed tolerance relative to that magnitude."""
-    magnitude = max(1.0, float(ref.abs().max())) if ref.numel() else 1.0
-    if dtype in LOW_PRECISION:
-        base_err = float((baseline.double().cpu() - ref).abs().max()) if ref.numel() else 0.0
-        return 2.0 * base_err + EPS[dtype] * magnitude
-    return FIXED_TOL[dtype][name] * magnitude
-
-
 def assert_close(name: str, got, ref: torch.Tensor, baseline, dtype: torch.dtype) -> float:
-    """Check ``got`` against the float64 oracle under the rule; return ``error / bound`` (<= 1 passes)."""
-    got = torch.as_tensor(got).detach().cpu().double()
-    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)}, expected {tuple(ref.shape)}"
-    assert not torch.isnan(got).any(), f"{name}: NaN in {int(torch.isnan(got).sum())} elements"
-    if baseline is not None:
-        baseline = torch.as_tensor(baseline).detach().cpu().double()
-    if name == "lse":  # rows with no visible key: exactly -inf, and excluded from the numeric comparison
-        no_key = torch.isneginf(ref)
-        assert torch.equal(torch.isneginf(got), no_key), "lse: -inf exactly where a row sees no key"
-        ref, got = ref[~no_key], got[~no_key]
-        baseline = None if baseline is None else baseline[~no_key]
-    err = float((got - ref).abs().max()) if ref.numel() else 0.0
-    bound = error_bound(name, ref, baseline, dtype)
-    assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e} ({dtype})"
-    return err / bound if bound else 0.0
+    """Check ``got`` against the float64 oracle under SPEC.md's rule; return ``error / bound`` (<= 1 passes)."""
+    check = oracle.check_output(name, got, ref, baseline, dtype)
+    assert check.ok, f"{name}: {check.message} ({dtype})"
+    return check.ratio
 
 
 def run_and_check(backend: attnzoo.Backend, case: Case, device: str = "cpu") -> dict[str, float]:

@@ -1,0 +1,195 @@
+"""``python -m attnzoo compare``: every backend on one case, against the float64 oracle.
+
+Prints one table (backend, supported or why not, max error of o, lse, dq, dk, dv as a multiple of
+SPEC.md's bound, forward/backward time, peak memory) and exits non-zero if any supported backend
+is outside tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import tracemalloc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from . import oracle
+from .backend import Backend, get, names
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+OUTPUTS = ("o", "lse", "dq", "dk", "dv")
+
+# The embedded defaults: seconds on a laptop CPU; a larger, low-precision case on a GPU.
+CPU_DEFAULT = dict(B=2, H=4, Hkv=2, Nq=256, Nk=256, D=64, dtype="float32")
+GPU_DEFAULT = dict(B=2, H=16, Hkv=4, Nq=2048, Nk=2048, D=128, dtype="float16")
+
+
+@dataclass
+class Row:
+    backend: str
+    reasons: list[str] = field(default_factory=list)
+    checks: dict[str, oracle.Check] = field(default_factory=dict)
+    fwd_ms: float = float("nan")
+    bwd_ms: float = float("nan")
+    peak_mb: float | None = None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and all(c.ok for c in self.checks.values())
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    cli = argparse.ArgumentParser(prog="python -m attnzoo compare", description=__doc__.split("\n\n")[0])
+    cli.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    for name in ("B", "H", "Hkv", "Nq", "Nk", "D"):
+        cli.add_argument(f"--{name}", type=int, help="default: an embedded case for the device")
+    cli.add_argument("--dtype", choices=list(DTYPES))
+    cli.add_argument("--causal", action="store_true", help="bottom-right aligned causal mask")
+    cli.add_argument("--seqlens-k", help="comma-separated keys per batch (e.g. 256,100), or 'random'")
+    cli.add_argument("--scale", type=float, help="default 1/sqrt(D)")
+    cli.add_argument("--backends", help=f"comma-separated subset of: {', '.join(names())}")
+    cli.add_argument("--repeat", type=int, default=3, help="timed runs per backend (median)")
+    cli.add_argument("--seed", type=int, default=0)
+    return cli.parse_args(argv)
+
+
+def _case(args: argparse.Namespace) -> tuple[dict, str]:
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    shape = dict(GPU_DEFAULT if device == "cuda" else CPU_DEFAULT)
+    for key in ("B", "H", "Hkv", "Nq", "Nk", "D", "dtype"):
+        if getattr(args, key) is not None:
+            shape[key] = getattr(args, key)
+    if args.Nq is not None and args.Nk is None:
+        shape["Nk"] = args.Nq
+    return shape, device
+
+
+def _inputs(shape: dict, device: str, args: argparse.Namespace) -> dict:
+    gen = torch.Generator().manual_seed(args.seed)
+    dtype = DTYPES[shape["dtype"]]
+
+    def randn(*size):
+        return torch.randn(*size, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+
+    B, H, Hkv, Nq, Nk, D = (shape[k] for k in ("B", "H", "Hkv", "Nq", "Nk", "D"))
+    seqlens = None
+    if args.seqlens_k == "random":
+        seqlens = torch.randint(0, Nk + 1, (B,), generator=gen, dtype=torch.int32).to(device)
+    elif args.seqlens_k:
+        seqlens = torch.tensor([int(s) for s in args.seqlens_k.split(",")], dtype=torch.int32, device=device)
+    return dict(
+        q=randn(B, H, Nq, D), k=randn(B, Hkv, Nk, D), v=randn(B, Hkv, Nk, D), do=randn(B, H, Nq, D), seqlens_k=seqlens
+    )
+
+
+def _timed(fn: Callable[[], tuple], device: str, repeat: int) -> tuple[tuple, float]:
+    """Run ``fn`` once to warm up (compilation, autotuning), then ``repeat`` times; return a result, median ms."""
+    result = fn()
+    times = []
+    for _ in range(repeat):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return result, statistics.median(times)
+
+
+def _peak_mb(fn: Callable[[], tuple], device: str) -> float | None:
+    """Peak memory of one call beyond what was allocated before it: the CUDA allocator's counter on a GPU,
+    tracemalloc on the CPU (it sees NumPy's allocations, not PyTorch's CPU allocator: None there)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    tracemalloc.start()
+    fn()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return peak / 2**20 if peak > 2**16 else None
+
+
+def run_backend(backend: Backend, x: dict, causal: bool, scale: float | None, device: str, repeat: int, ref, base):
+    """One table row: support, errors vs the oracle, times and peak memory of forward + backward."""
+    row = Row(backend.name)
+    kw = dict(causal=causal, scale=scale, seqlens_k=x["seqlens_k"])
+    row.reasons = backend.not_supported_reasons(x["q"], x["k"], x["v"], **kw)
+    if row.reasons:
+        return row
+    try:
+        (o, lse), row.fwd_ms = _timed(lambda: backend.forward(x["q"], x["k"], x["v"], **kw), device, repeat)
+        grads, row.bwd_ms = _timed(
+            lambda: backend.backward(x["do"], x["q"], x["k"], x["v"], o, lse, **kw), device, repeat
+        )
+        row.peak_mb = _peak_mb(
+            lambda: backend.backward(
+                x["do"], x["q"], x["k"], x["v"], *backend.forward(x["q"], x["k"], x["v"], **kw), **kw
+            ),
+            device,
+        )
+    except Exception as exc:  # a crash is a failed row, not a crashed comparison
+        row.error = f"{type(exc).__name__}: {exc}"
+        return row
+    dtype = x["q"].dtype
+    for name, got in zip(OUTPUTS, (o, lse, *grads), strict=True):
+        row.checks[name] = oracle.check_output(
+            name, got, getattr(ref, name), None if base is None else getattr(base, name), dtype
+        )
+    return row
+
+
+def format_table(rows: list[Row]) -> str:
+    header = ["backend", "status", *[f"{n} err (x bound)" for n in OUTPUTS], "fwd ms", "bwd ms", "peak MB"]
+    lines = []
+    for row in rows:
+        if row.reasons:
+            status = "unsupported: " + "; ".join(row.reasons)
+        elif row.error:
+            status = "ERROR " + row.error[:80]
+        else:
+            status = "ok" if row.ok else "OUT OF TOLERANCE"
+        errs = [f"{row.checks[n].error:.1e} ({row.checks[n].ratio:.2f})" if n in row.checks else "-" for n in OUTPUTS]
+        peak = "-" if row.peak_mb is None else f"{row.peak_mb:.1f}"
+        times = [
+            "-" if row.fwd_ms != row.fwd_ms else f"{row.fwd_ms:.2f}",
+            "-" if row.bwd_ms != row.bwd_ms else f"{row.bwd_ms:.2f}",
+        ]
+        lines.append([row.backend, status, *errs, *times, peak])
+    widths = [max(len(str(r[i])) for r in [header, *lines]) for i in range(len(header))]
+    fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()  # noqa: E731
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *map(fmt, lines)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv or [])
+    shape, device = _case(args)
+    selected = names() if not args.backends else [s.strip() for s in args.backends.split(",")]
+    backends = [get(name) for name in selected]  # an unknown name fails here, listing the known ones
+    x = _inputs(shape, device, args)
+    kw = dict(causal=args.causal, scale=args.scale, seqlens_k=x["seqlens_k"])
+    ref = oracle.reference(x["q"], x["k"], x["v"], x["do"], **kw)
+    low = x["q"].dtype in oracle.LOW_PRECISION
+    base = oracle.plain_torch(x["q"], x["k"], x["v"], x["do"], **kw) if low else None
+    seq = "" if x["seqlens_k"] is None else f", seqlens_k={x['seqlens_k'].tolist()}"
+    print(
+        f"case: B={shape['B']} H={shape['H']} Hkv={shape['Hkv']} Nq={shape['Nq']} Nk={shape['Nk']} D={shape['D']} "
+        f"{shape['dtype']} causal={args.causal}{seq} on {device}; errors are max |backend - float64 oracle|, "
+        f"(x bound) their ratio to SPEC.md's bound"
+    )
+    rows = [run_backend(b, x, args.causal, args.scale, device, args.repeat, ref, base) for b in backends]
+    print(format_table(rows))
+    failed = [r.backend for r in rows if not r.reasons and not r.ok]
+    if failed:
+        print(f"outside tolerance: {', '.join(failed)}")
+    return 1 if failed else 0
