@@ -1,0 +1,61 @@
+"""``python -m attnzoo compare``: one table of every backend vs the oracle; non-zero exit when one is off."""
+
+from __future__ import annotations
+
+import torch
+
+import attnzoo
+from attnzoo import compare
+from attnzoo.__main__ import main as cli_main
+
+SMALL = ["--B", "1", "--H", "4", "--Hkv", "2", "--Nq", "40", "--Nk", "56", "--D", "16", "--repeat", "1"]
+
+
+def test_compare_prints_every_backend_and_passes(capsys):
+    assert cli_main(["compare", *SMALL, "--causal", "--seqlens-k", "30"]) == 0
+    out = capsys.readouterr().out
+    for name in attnzoo.names():
+        assert name in out
+    assert "OUT OF TOLERANCE" not in out and "causal=True" in out
+
+
+def test_compare_fails_on_a_wrong_backend(capsys, monkeypatch):
+    backend = attnzoo.get("torch_fa2")
+    real = backend._forward
+
+    def off_by_a_bit(*args, **kwargs):
+        o, lse = real(*args, **kwargs)
+        return o * 1.01, lse
+
+    monkeypatch.setattr(backend, "_forward", off_by_a_bit)
+    assert compare.main([*SMALL, "--backends", "torch_fa2,numpy_ref"]) == 1
+    out = capsys.readouterr().out
+    assert "outside tolerance: torch_fa2" in out
+
+
+def test_compare_reports_why_a_backend_cannot_run(capsys):
+    assert compare.main([*SMALL, "--dtype", "float64", "--backends", "numpy_ref"]) == 0
+    rows = compare.run_backend(
+        attnzoo.get("numpy_ref"),
+        dict(
+            q=torch.zeros(1, 1, 2, 4, device="meta"),
+            k=torch.zeros(1, 1, 2, 4, device="meta"),
+            v=torch.zeros(1, 1, 2, 4, device="meta"),
+            do=None,
+            seqlens_k=None,
+        ),
+        False,
+        None,
+        "cpu",
+        1,
+        None,
+        None,
+    )
+    assert rows.reasons and "device meta" in rows.reasons[0]
+    assert "unsupported: device meta" in compare.format_table([rows])
+
+
+def test_cli_usage(capsys):
+    assert cli_main([]) == 0
+    assert "compare" in capsys.readouterr().out
+    assert cli_main(["nonsense"]) == 2
