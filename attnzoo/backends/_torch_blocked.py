@@ -13,6 +13,8 @@ from ._tiles import tile_is_empty, tile_visibility
 
 Tensor = torch.Tensor
 
+DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
+
 
 class TorchTiles:
     """Grouped views and tile geometry of one call.

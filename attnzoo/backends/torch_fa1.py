@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..backend import Backend, Capabilities, new_output, register
-from ._torch_blocked import TorchTiles, delta_rows
-from .torch_fa2 import DTYPES
+from ._torch_blocked import DTYPES, TorchTiles, delta_rows
 
 Tensor = torch.Tensor
 

@@ -16,11 +16,9 @@ from __future__ import annotations
 import torch
 
 from ..backend import Backend, Capabilities, new_output, register
-from ._torch_blocked import TorchTiles, delta_rows, online_softmax_update
+from ._torch_blocked import DTYPES, TorchTiles, delta_rows, online_softmax_update
 
 Tensor = torch.Tensor
-
-DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, tiles: TorchTiles) -> tuple[Tensor, Tensor]:
