@@ -23,9 +23,15 @@ LN2 = 0.6931471805599453  # ln(2): ln(x) = log2(x) * LN2
 
 
 @triton.jit
+def as_int64(x):
+    """``x`` widened to int64 (works on int32 tensors and on the plain ints of the interpreter's loops)."""
+    return x + tl.zeros([], tl.int64)
+
+
+@triton.jit
 def head_pointer(ptr, batch, head, stride_b, stride_h):
     """Base pointer of one (batch, head) matrix, with int64 offsets (tensors of more than 2^31 elements)."""
-    return ptr + batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
+    return ptr + as_int64(batch) * stride_b + as_int64(head) * stride_h
 
 
 @triton.jit
@@ -34,7 +40,7 @@ def tile_pointers(base, first_row, local_rows, cols, stride_row, stride_col):
 
     The row start goes into the int64 scalar base; the per-element offsets stay small int32.
     """
-    base = base + first_row.to(tl.int64) * stride_row
+    base = base + as_int64(first_row) * stride_row
     return base + local_rows[:, None] * stride_row + cols[None, :] * stride_col
 
 

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from .common import (
     LOG2E,
+    as_int64,
     batch_seqlen_k,
     head_pointer,
     key_visible,
@@ -151,8 +152,9 @@ def attention_forward_kernel(
     k_head = head_pointer(k_ptr, batch, kv_head, stride_kb, stride_kh)
     v_head = head_pointer(v_ptr, batch, kv_head, stride_vb, stride_vh)
     q_tile = load_tile(
-        tile_pointers(q_head, start_m, local_m, cols, stride_qm, stride_qd), rows, seqlen_q, cols, HEAD_DIM, BLOCK_D, True
-    )
+        tile_pointers(q_head, start_m, local_m, cols, stride_qm, stride_qd), rows, seqlen_q, cols,
+        HEAD_DIM, BLOCK_D, True,
+    )  # fmt: skip
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -185,11 +187,12 @@ def attention_forward_kernel(
         cols,
         HEAD_DIM,
     )
-    tl.store(lse_ptr + bh.to(tl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
+    tl.store(lse_ptr + as_int64(bh) * seqlen_q + rows, lse, mask=rows < seqlen_q)
     if DEBUG:
         total = tl.cdiv(seqlen_k, BLOCK_N)
-        tl.store(counts_ptr + pid.to(tl.int64) * 0 + (bh * num_m_blocks + m_block) * 2, visited)
-        tl.store(counts_ptr + (bh * num_m_blocks + m_block) * 2 + 1, total - visited)
+        program = bh * num_m_blocks + m_block  # counts laid out [B, H, num_m_blocks, 2]
+        tl.store(counts_ptr + program * 2, visited)
+        tl.store(counts_ptr + program * 2 + 1, total - visited)
 
 
 def attention_forward(ctx: LaunchContext) -> tuple[torch.Tensor, torch.Tensor]:

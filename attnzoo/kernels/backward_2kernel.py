@@ -1,0 +1,485 @@
+"""FlashAttention-2 backward without atomics: Delta preprocess, a K/V-stationary dK/dV kernel, a Q-stationary dQ kernel.
+
+With ``P = exp(S - lse)`` recomputed per tile and ``Delta_i = rowsum(dO_i * O_i)`` (= ``rowsum(dP_i * P_i)``):
+
+    dV = P^T dO,   dP = dO V^T,   dS = P * (dP - Delta),   dQ = scale * dS K,   dK = scale * dS^T Q
+
+Kernel A keeps one K/V block in registers and loops over the Q blocks (and, for grouped-query attention, over
+the query heads of the group), so each dK/dV row is summed in one program and written once.  Kernel B keeps
+one Q block and loops over K/V blocks, writing dQ once.  No atomics: results are bitwise reproducible.
+
+FLOPs: kernel A 4 matrix products (S, dP, dV, dK) and kernel B 3 (S, dP, dQ), each 2*Nq*Nk*D per head:
+14*B*H*Nq*Nk*D in total, i.e. 3.5x the forward (the usual 2.5x count excludes the recomputation of S and dP
+in the second kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backend import triton_interpreter_active
+from .common import (
+    LOG2E,
+    as_int64,
+    batch_seqlen_k,
+    head_pointer,
+    key_visible,
+    kv_loop_bounds,
+    load_lse2,
+    load_tile,
+    q_loop_bounds,
+    softmax_grad_tile,
+    store_tile,
+    tile_pointers,
+)
+from .launch import LaunchContext, grid_1d
+from .tuning import INTERPRETER_CONFIG
+
+PREPROCESS_BLOCK_M = 64
+
+
+@triton.jit
+def delta_preprocess_kernel(
+    o_ptr,
+    do_ptr,
+    delta_ptr,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    num_heads,
+    seqlen_q,
+    num_m_blocks,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """``delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d]`` in float32; delta is contiguous ``[B, H, Nq]``."""
+    pid = tl.program_id(0)
+    bh = pid // num_m_blocks
+    start_m = (pid % num_m_blocks) * BLOCK_M
+    batch = bh // num_heads
+    head = bh % num_heads
+    local_m = tl.arange(0, BLOCK_M)
+    rows = start_m + local_m
+    cols = tl.arange(0, BLOCK_D)
+    o_head = head_pointer(o_ptr, batch, head, stride_ob, stride_oh)
+    do_head = head_pointer(do_ptr, batch, head, stride_dob, stride_doh)
+    o_tile = load_tile(
+        tile_pointers(o_head, start_m, local_m, cols, stride_om, stride_od), rows, seqlen_q, cols,
+        HEAD_DIM, BLOCK_D, True,
+    )  # fmt: skip
+    do_tile = load_tile(
+        tile_pointers(do_head, start_m, local_m, cols, stride_dom, stride_dod),
+        rows,
+        seqlen_q,
+        cols,
+        HEAD_DIM,
+        BLOCK_D,
+        True,
+    )
+    delta = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)
+    tl.store(delta_ptr + as_int64(bh) * seqlen_q + rows, delta, mask=rows < seqlen_q)
+
+
+def compute_delta(ctx: LaunchContext, o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """``Delta = rowsum(dO * O)`` -> float32 ``[B, H, Nq]`` (one pass over O and dO instead of over K/V)."""
+    B, H, Nq, D = o.shape
+    delta = ctx.new_output((B, H, Nq), torch.float32)
+    block_m = INTERPRETER_CONFIG.block_m if triton_interpreter_active() else PREPROCESS_BLOCK_M
+    num_m_blocks = triton.cdiv(Nq, block_m)
+    delta_preprocess_kernel[grid_1d(num_m_blocks * B * H)](
+        o, do, delta, *o.stride(), *do.stride(), H, Nq, num_m_blocks,
+        HEAD_DIM=D, BLOCK_D=ctx.block_d, BLOCK_M=block_m, num_warps=4,
+    )  # fmt: skip
+    return delta
+
+
+@triton.jit
+def _dkdv_stage(
+    dk,
+    dv,
+    visited,
+    k_tile,
+    v_tile,
+    q_head,
+    do_head,
+    lse_row_ptr,
+    delta_row_ptr,
+    stride_qm,
+    stride_qd,
+    stride_dom,
+    stride_dod,
+    keys,
+    lo,
+    hi,
+    seqlen_q,
+    diagonal_offset,
+    seqlen_k_b,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dK, dV ``[BLOCK_N, D]`` of the resident K/V block over the Q tiles ``[lo, hi)`` of one head.
+
+    Works on transposed tiles (``S^T = K Q^T``, ``[BLOCK_N, BLOCK_M]``) so that P^T and dS^T come out of the
+    dots already in the layout of the left operand of ``P^T dO`` and ``dS^T Q``.
+    """
+    local_m = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + local_m
+        # Padding rows (>= Nq) load as zeros with lse = +inf, so their P is 0: only the loads are masked.
+        q_tile = load_tile(
+            tile_pointers(q_head, start_m, local_m, cols, stride_qm, stride_qd), rows, seqlen_q, cols,
+            HEAD_DIM, BLOCK_D, True,
+        )  # fmt: skip
+        do_tile = load_tile(
+            tile_pointers(do_head, start_m, local_m, cols, stride_dom, stride_dod), rows, seqlen_q, cols,
+            HEAD_DIM, BLOCK_D, True,
+        )  # fmt: skip
+        lse2 = load_lse2(lse_row_ptr + rows, rows, seqlen_q)
+        delta = tl.load(delta_row_ptr + rows, mask=rows < seqlen_q, other=0.0)
+        scores_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v_tile, tl.trans(do_tile), input_precision=DOT_PRECISION)
+        visible = None
+        if MASKED:
+            visible = key_visible(rows[None, :], keys[:, None], diagonal_offset, seqlen_k_b, CAUSAL)
+        p_t, ds_t = softmax_grad_tile(scores_t, dp_t, lse2[None, :], delta[None, :], qk_scale, visible, MASKED)
+        dv = tl.dot(p_t.to(do_tile.dtype), do_tile, dv, input_precision=DOT_PRECISION)
+        dk = tl.dot(ds_t.to(q_tile.dtype), q_tile, dk, input_precision=DOT_PRECISION)
+        visited += 1
+    return dk, dv, visited
+
+
+@triton.jit
+def dkdv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dk_ptr,
+    dv_ptr,
+    seqlens_ptr,
+    counts_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dkd,
+    num_heads,
+    num_kv_heads,
+    group_size,
+    seqlen_q,
+    seqlen_k,
+    num_n_blocks,
+    sm_scale,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DEBUG: tl.constexpr,
+):
+    """Kernel A: dK, dV of one K/V block of one (batch, kv head); grid: 1-d, num_n_blocks * B * Hkv programs.
+
+    For grouped-query attention the program also loops over the ``group_size`` query heads that read this
+    K/V head, summing their contributions in registers.  dk and dv share strides (both allocated contiguous).
+    DEBUG writes (visited, skipped) Q tile counts, summed over the group.
+    """
+    pid = tl.program_id(0)
+    bh_kv = pid // num_n_blocks
+    n_block = pid % num_n_blocks
+    batch = bh_kv // num_kv_heads
+    kv_head = bh_kv % num_kv_heads
+    start_n = n_block * BLOCK_N
+    seqlen_k_b = batch_seqlen_k(seqlens_ptr, batch, seqlen_k, HAS_SEQLENS)
+
+    local_n = tl.arange(0, BLOCK_N)
+    keys = start_n + local_n
+    cols = tl.arange(0, BLOCK_D)
+    k_head = head_pointer(k_ptr, batch, kv_head, stride_kb, stride_kh)
+    v_head = head_pointer(v_ptr, batch, kv_head, stride_vb, stride_vh)
+    k_tile = load_tile(
+        tile_pointers(k_head, start_n, local_n, cols, stride_kn, stride_kd), keys, seqlen_k_b, cols,
+        HEAD_DIM, BLOCK_D, True,
+    )  # fmt: skip
+    v_tile = load_tile(
+        tile_pointers(v_head, start_n, local_n, cols, stride_vn, stride_vd), keys, seqlen_k_b, cols,
+        HEAD_DIM, BLOCK_D, True,
+    )  # fmt: skip
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    visited = tl.zeros([], tl.int32)
+    lo, unmasked_lo, hi = q_loop_bounds(start_n, seqlen_q, seqlen_k, seqlen_k_b, CAUSAL, BLOCK_M, BLOCK_N)
+    diagonal_offset = seqlen_k - seqlen_q
+    for g in range(0, group_size):
+        head = kv_head * group_size + g
+        q_head = head_pointer(q_ptr, batch, head, stride_qb, stride_qh)
+        do_head = head_pointer(do_ptr, batch, head, stride_dob, stride_doh)
+        row_offset = (batch * num_heads + head).to(tl.int64) * seqlen_q
+        dk, dv, visited = _dkdv_stage(
+            dk, dv, visited, k_tile, v_tile, q_head, do_head, lse_ptr + row_offset, delta_ptr + row_offset,
+            stride_qm, stride_qd, stride_dom, stride_dod, keys, lo, unmasked_lo, seqlen_q, diagonal_offset,
+            seqlen_k_b, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, True, DOT_PRECISION,
+        )  # fmt: skip
+        dk, dv, visited = _dkdv_stage(
+            dk, dv, visited, k_tile, v_tile, q_head, do_head, lse_ptr + row_offset, delta_ptr + row_offset,
+            stride_qm, stride_qd, stride_dom, stride_dod, keys, unmasked_lo, hi, seqlen_q, diagonal_offset,
+            seqlen_k_b, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, False, DOT_PRECISION,
+        )  # fmt: skip
+
+    dk_head = head_pointer(dk_ptr, batch, kv_head, stride_dkb, stride_dkh)
+    dv_head = head_pointer(dv_ptr, batch, kv_head, stride_dkb, stride_dkh)
+    dk = dk * sm_scale
+    store_tile(
+        tile_pointers(dk_head, start_n, local_n, cols, stride_dkn, stride_dkd),
+        dk.to(dk_ptr.dtype.element_ty),
+        keys,
+        seqlen_k,
+        cols,
+        HEAD_DIM,
+    )
+    store_tile(
+        tile_pointers(dv_head, start_n, local_n, cols, stride_dkn, stride_dkd),
+        dv.to(dv_ptr.dtype.element_ty),
+        keys,
+        seqlen_k,
+        cols,
+        HEAD_DIM,
+    )
+    if DEBUG:
+        total = tl.cdiv(seqlen_q, BLOCK_M) * group_size
+        tl.store(counts_ptr + pid * 2, visited)
+        tl.store(counts_ptr + pid * 2 + 1, total - visited)
+
+
+@triton.jit
+def _dq_stage(
+    dq,
+    visited,
+    q_tile,
+    do_tile,
+    lse2,
+    delta,
+    k_head,
+    v_head,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    rows,
+    lo,
+    hi,
+    diagonal_offset,
+    seqlen_k_b,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate (unscaled) dQ ``[BLOCK_M, D]`` of the resident Q block over the K/V tiles ``[lo, hi)``."""
+    local_n = tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_D)
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + local_n
+        k_tile = load_tile(
+            tile_pointers(k_head, start_n, local_n, cols, stride_kn, stride_kd), keys, seqlen_k_b, cols,
+            HEAD_DIM, BLOCK_D, MASKED,
+        )  # fmt: skip
+        v_tile = load_tile(
+            tile_pointers(v_head, start_n, local_n, cols, stride_vn, stride_vd), keys, seqlen_k_b, cols,
+            HEAD_DIM, BLOCK_D, MASKED,
+        )  # fmt: skip
+        scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
+        dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=DOT_PRECISION)
+        visible = None
+        if MASKED:
+            visible = key_visible(rows[:, None], keys[None, :], diagonal_offset, seqlen_k_b, CAUSAL)
+        _p, ds = softmax_grad_tile(scores, dp, lse2[:, None], delta[:, None], qk_scale, visible, MASKED)
+        dq = tl.dot(ds.to(k_tile.dtype), k_tile, dq, input_precision=DOT_PRECISION)
+        visited += 1
+    return dq, visited
+
+
+@triton.jit
+def dq_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dq_ptr,
+    seqlens_ptr,
+    counts_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_dqb,
+    stride_dqh,
+    stride_dqm,
+    stride_dqd,
+    num_heads,
+    group_size,
+    seqlen_q,
+    seqlen_k,
+    num_m_blocks,
+    sm_scale,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DEBUG: tl.constexpr,
+):
+    """Kernel B: dQ of one Q block of one (batch, head); grid: 1-d, num_m_blocks * B * H programs."""
+    pid = tl.program_id(0)
+    bh = pid // num_m_blocks
+    m_block = pid % num_m_blocks
+    if CAUSAL:
+        m_block = num_m_blocks - 1 - m_block  # longest rows first
+    batch = bh // num_heads
+    head = bh % num_heads
+    kv_head = head // group_size
+    start_m = m_block * BLOCK_M
+    seqlen_k_b = batch_seqlen_k(seqlens_ptr, batch, seqlen_k, HAS_SEQLENS)
+
+    local_m = tl.arange(0, BLOCK_M)
+    rows = start_m + local_m
+    cols = tl.arange(0, BLOCK_D)
+    q_head = head_pointer(q_ptr, batch, head, stride_qb, stride_qh)
+    do_head = head_pointer(do_ptr, batch, head, stride_dob, stride_doh)
+    k_head = head_pointer(k_ptr, batch, kv_head, stride_kb, stride_kh)
+    v_head = head_pointer(v_ptr, batch, kv_head, stride_vb, stride_vh)
+    q_tile = load_tile(
+        tile_pointers(q_head, start_m, local_m, cols, stride_qm, stride_qd), rows, seqlen_q, cols,
+        HEAD_DIM, BLOCK_D, True,
+    )  # fmt: skip
+    do_tile = load_tile(
+        tile_pointers(do_head, start_m, local_m, cols, stride_dom, stride_dod), rows, seqlen_q, cols,
+        HEAD_DIM, BLOCK_D, True,
+    )  # fmt: skip
+    row_offset = as_int64(bh) * seqlen_q
+    lse2 = load_lse2(lse_ptr + row_offset + rows, rows, seqlen_q)
+    delta = tl.load(delta_ptr + row_offset + rows, mask=rows < seqlen_q, other=0.0)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    visited = tl.zeros([], tl.int32)
+    unmasked_end, end = kv_loop_bounds(start_m, seqlen_q, seqlen_k, seqlen_k_b, CAUSAL, BLOCK_M, BLOCK_N)
+    diagonal_offset = seqlen_k - seqlen_q
+    dq, visited = _dq_stage(
+        dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
+        rows, 0, unmasked_end, diagonal_offset, seqlen_k_b, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, False, DOT_PRECISION,
+    )  # fmt: skip
+    dq, visited = _dq_stage(
+        dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
+        rows, unmasked_end, end, diagonal_offset, seqlen_k_b, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION,
+    )  # fmt: skip
+    dq_head = head_pointer(dq_ptr, batch, head, stride_dqb, stride_dqh)
+    store_tile(
+        tile_pointers(dq_head, start_m, local_m, cols, stride_dqm, stride_dqd),
+        (dq * sm_scale).to(dq_ptr.dtype.element_ty),
+        rows,
+        seqlen_q,
+        cols,
+        HEAD_DIM,
+    )
+    if DEBUG:
+        program = bh * num_m_blocks + m_block
+        total = tl.cdiv(seqlen_k, BLOCK_N)
+        tl.store(counts_ptr + program * 2, visited)
+        tl.store(counts_ptr + program * 2 + 1, total - visited)
+
+
+def attention_backward_2kernel(
+    ctx: LaunchContext, do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq ``[B, H, Nq, D]``, dk, dv ``[B, Hkv, Nk, D]`` (dtype of q; dk/dv summed over each head group)."""
+    q, k, v = ctx.q, ctx.k, ctx.v
+    B, H, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    lse = lse.contiguous()
+    delta = compute_delta(ctx, o, do)
+    dq = ctx.new_output((B, H, Nq, D), q.dtype)
+    dk = ctx.new_output((B, Hkv, Nk, D), q.dtype)
+    dv = ctx.new_output((B, Hkv, Nk, D), q.dtype)
+    qk_scale = ctx.scale * LOG2E
+
+    def launch_dkdv(cfg) -> None:
+        num_n_blocks = triton.cdiv(Nk, cfg.block_n)
+        dkdv_kernel[grid_1d(num_n_blocks * B * Hkv)](
+            q, k, v, do, lse, delta, dk, dv, ctx.seqlens, ctx.counts_for(num_n_blocks * B * Hkv),
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
+            H, Hkv, ctx.group_size, Nq, Nk, num_n_blocks, ctx.scale, qk_scale,
+            HEAD_DIM=D, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+    def launch_dq(cfg) -> None:
+        num_m_blocks = triton.cdiv(Nq, cfg.block_m)
+        dq_kernel[grid_1d(num_m_blocks * B * H)](
+            q, k, v, do, lse, delta, dq, ctx.seqlens, ctx.counts_for(num_m_blocks * B * H),
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+            H, ctx.group_size, Nq, Nk, num_m_blocks, ctx.scale, qk_scale,
+            HEAD_DIM=D, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+    ctx.run("dkdv", launch_dkdv)
+    ctx.run("dq", launch_dq)
+    return dq, dk, dv

@@ -1,0 +1,323 @@
+"""Q-stationary backward whose dK/dV contributions go through ``tl.atomic_add`` (the ``triton_atomic`` backend).
+
+One program per (Q block, batch*head).  It first obtains ``D_i = rowsum(dP_i * P_i)`` for its rows, either
+
+- ``delta="recompute"``: a first pass over the same K/V tiles recomputing P and dP (the original design:
+  two extra matrix products per tile, no extra kernel), or
+- ``delta="preprocess"``: ``rowsum(dO * O)`` from the shared preprocess kernel (one pass over O and dO),
+
+then loops over the K/V tiles once more: P from the saved LSE, ``dS = P * (dP - D)``, dQ accumulated in
+registers and written once, and the tile's dK/dV contributions added into float32 buffers ``[B, Hkv, Nk, D]``
+with atomics.  Query heads of a group add into the same K/V rows, so the group sum comes for free.  The float32
+sums are cast to the input dtype at the end.  The order of the atomic additions varies from run to run, so
+dK/dV are not bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .backward_2kernel import compute_delta
+from .common import (
+    LOG2E,
+    as_int64,
+    batch_seqlen_k,
+    head_pointer,
+    key_visible,
+    kv_loop_bounds,
+    load_lse2,
+    load_tile,
+    softmax_grad_tile,
+    store_tile,
+    tile_pointers,
+)
+from .launch import LaunchContext, grid_1d
+
+DELTA_MODES = ("recompute", "preprocess")
+
+
+@triton.jit
+def _delta_recompute_stage(
+    delta,
+    q_tile,
+    do_tile,
+    lse2,
+    k_head,
+    v_head,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    rows,
+    lo,
+    hi,
+    diagonal_offset,
+    seqlen_k_b,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate ``rowsum(P * dP)`` over the K/V tiles ``[lo, hi)``."""
+    local_n = tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_D)
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + local_n
+        k_tile = load_tile(
+            tile_pointers(k_head, start_n, local_n, cols, stride_kn, stride_kd), keys, seqlen_k_b, cols,
+            HEAD_DIM, BLOCK_D, MASKED,
+        )  # fmt: skip
+        v_tile = load_tile(
+            tile_pointers(v_head, start_n, local_n, cols, stride_vn, stride_vd), keys, seqlen_k_b, cols,
+            HEAD_DIM, BLOCK_D, MASKED,
+        )  # fmt: skip
+        scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
+        dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=DOT_PRECISION)
+        visible = None
+        if MASKED:
+            visible = key_visible(rows[:, None], keys[None, :], diagonal_offset, seqlen_k_b, CAUSAL)
+        # With delta = 0 the helper's dS is P * dP: its row sum is the D_i we want.
+        _p, p_dp = softmax_grad_tile(scores, dp, lse2[:, None], 0.0, qk_scale, visible, MASKED)
+        delta += tl.sum(p_dp, 1)
+    return delta
+
+
+@triton.jit
+def _atomic_stage(
+    dq,
+    visited,
+    q_tile,
+    do_tile,
+    lse2,
+    delta,
+    k_head,
+    v_head,
+    dk_head,
+    dv_head,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    stride_accn,
+    rows,
+    lo,
+    hi,
+    diagonal_offset,
+    seqlen_k,
+    seqlen_k_b,
+    sm_scale,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """dQ in registers, dK/dV contributions of every K/V tile in ``[lo, hi)`` added atomically."""
+    local_n = tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_D)
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + local_n
+        k_tile = load_tile(
+            tile_pointers(k_head, start_n, local_n, cols, stride_kn, stride_kd), keys, seqlen_k_b, cols,
+            HEAD_DIM, BLOCK_D, MASKED,
+        )  # fmt: skip
+        v_tile = load_tile(
+            tile_pointers(v_head, start_n, local_n, cols, stride_vn, stride_vd), keys, seqlen_k_b, cols,
+            HEAD_DIM, BLOCK_D, MASKED,
+        )  # fmt: skip
+        scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
+        dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=DOT_PRECISION)
+        visible = None
+        if MASKED:
+            visible = key_visible(rows[:, None], keys[None, :], diagonal_offset, seqlen_k_b, CAUSAL)
+        p, ds = softmax_grad_tile(scores, dp, lse2[:, None], delta[:, None], qk_scale, visible, MASKED)
+        dq = tl.dot(ds.to(k_tile.dtype), k_tile, dq, input_precision=DOT_PRECISION)
+        dv_part = tl.dot(tl.trans(p.to(do_tile.dtype)), do_tile, input_precision=DOT_PRECISION)
+        dk_part = tl.dot(tl.trans(ds.to(q_tile.dtype)), q_tile, input_precision=DOT_PRECISION) * sm_scale
+        # The float32 accumulators are contiguous [B, Hkv, Nk, D]; rows past Nk do not exist.
+        offsets = as_int64(start_n) * stride_accn + local_n[:, None] * stride_accn + cols[None, :]
+        in_bounds = (keys[:, None] < seqlen_k) & (cols[None, :] < HEAD_DIM)
+        tl.atomic_add(dv_head + offsets, dv_part, mask=in_bounds, sem="relaxed")
+        tl.atomic_add(dk_head + offsets, dk_part, mask=in_bounds, sem="relaxed")
+        visited += 1
+    return dq, visited
+
+
+@triton.jit
+def atomic_backward_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dq_ptr,
+    dk_acc_ptr,
+    dv_acc_ptr,
+    seqlens_ptr,
+    counts_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_dqb,
+    stride_dqh,
+    stride_dqm,
+    stride_dqd,
+    stride_accb,
+    stride_acch,
+    stride_accn,
+    num_heads,
+    group_size,
+    seqlen_q,
+    seqlen_k,
+    num_m_blocks,
+    sm_scale,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr,
+    DELTA_RECOMPUTE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DEBUG: tl.constexpr,
+):
+    """dQ of one Q block and its dK/dV contributions; grid: 1-d, num_m_blocks * B * H programs.
+
+    DEBUG writes (visited, skipped) K/V tile counts of the main (atomic) pass.
+    """
+    pid = tl.program_id(0)
+    bh = pid // num_m_blocks
+    m_block = pid % num_m_blocks
+    if CAUSAL:
+        m_block = num_m_blocks - 1 - m_block  # longest rows first
+    batch = bh // num_heads
+    head = bh % num_heads
+    kv_head = head // group_size
+    start_m = m_block * BLOCK_M
+    seqlen_k_b = batch_seqlen_k(seqlens_ptr, batch, seqlen_k, HAS_SEQLENS)
+
+    local_m = tl.arange(0, BLOCK_M)
+    rows = start_m + local_m
+    cols = tl.arange(0, BLOCK_D)
+    q_head = head_pointer(q_ptr, batch, head, stride_qb, stride_qh)
+    do_head = head_pointer(do_ptr, batch, head, stride_dob, stride_doh)
+    k_head = head_pointer(k_ptr, batch, kv_head, stride_kb, stride_kh)
+    v_head = head_pointer(v_ptr, batch, kv_head, stride_vb, stride_vh)
+    dk_head = head_pointer(dk_acc_ptr, batch, kv_head, stride_accb, stride_acch)
+    dv_head = head_pointer(dv_acc_ptr, batch, kv_head, stride_accb, stride_acch)
+    q_tile = load_tile(
+        tile_pointers(q_head, start_m, local_m, cols, stride_qm, stride_qd), rows, seqlen_q, cols,
+        HEAD_DIM, BLOCK_D, True,
+    )  # fmt: skip
+    do_tile = load_tile(
+        tile_pointers(do_head, start_m, local_m, cols, stride_dom, stride_dod), rows, seqlen_q, cols,
+        HEAD_DIM, BLOCK_D, True,
+    )  # fmt: skip
+    row_offset = as_int64(bh) * seqlen_q
+    lse2 = load_lse2(lse_ptr + row_offset + rows, rows, seqlen_q)
+    unmasked_end, end = kv_loop_bounds(start_m, seqlen_q, seqlen_k, seqlen_k_b, CAUSAL, BLOCK_M, BLOCK_N)
+    diagonal_offset = seqlen_k - seqlen_q
+
+    if DELTA_RECOMPUTE:
+        delta = tl.zeros([BLOCK_M], tl.float32)
+        delta = _delta_recompute_stage(
+            delta, q_tile, do_tile, lse2, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
+            rows, 0, unmasked_end, diagonal_offset, seqlen_k_b, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, False, DOT_PRECISION,
+        )  # fmt: skip
+        delta = _delta_recompute_stage(
+            delta, q_tile, do_tile, lse2, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
+            rows, unmasked_end, end, diagonal_offset, seqlen_k_b, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION,
+        )  # fmt: skip
+    else:
+        delta = tl.load(delta_ptr + row_offset + rows, mask=rows < seqlen_q, other=0.0)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    visited = tl.zeros([], tl.int32)
+    dq, visited = _atomic_stage(
+        dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, dk_head, dv_head,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_accn, rows, 0, unmasked_end, diagonal_offset,
+        seqlen_k, seqlen_k_b, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, False, DOT_PRECISION,
+    )  # fmt: skip
+    dq, visited = _atomic_stage(
+        dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, dk_head, dv_head,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_accn, rows, unmasked_end, end, diagonal_offset,
+        seqlen_k, seqlen_k_b, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION,
+    )  # fmt: skip
+    dq_head = head_pointer(dq_ptr, batch, head, stride_dqb, stride_dqh)
+    store_tile(
+        tile_pointers(dq_head, start_m, local_m, cols, stride_dqm, stride_dqd),
+        (dq * sm_scale).to(dq_ptr.dtype.element_ty),
+        rows,
+        seqlen_q,
+        cols,
+        HEAD_DIM,
+    )
+    if DEBUG:
+        program = bh * num_m_blocks + m_block
+        total = tl.cdiv(seqlen_k, BLOCK_N)
+        tl.store(counts_ptr + program * 2, visited)
+        tl.store(counts_ptr + program * 2 + 1, total - visited)
+
+
+def attention_backward_atomic(
+    ctx: LaunchContext, do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, delta_mode: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq ``[B, H, Nq, D]``, dk, dv ``[B, Hkv, Nk, D]`` (dtype of q) with atomic dK/dV accumulation.
+
+    ``delta_mode``: ``"recompute"`` (second pass over K/V inside the kernel) or ``"preprocess"``.
+    """
+    if delta_mode not in DELTA_MODES:
+        raise ValueError(f"delta must be one of {DELTA_MODES}, got {delta_mode!r}")
+    q, k, v = ctx.q, ctx.k, ctx.v
+    B, H, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    lse = lse.contiguous()
+    recompute = delta_mode == "recompute"
+    delta = ctx._dummy_counts if recompute else compute_delta(ctx, o, do)  # not read when recomputing
+    dq = ctx.new_output((B, H, Nq, D), q.dtype)
+    # float32 sums; zeroed before every launch (also before each autotuning trial) by reset().
+    dk_acc = torch.empty((B, Hkv, Nk, D), dtype=torch.float32, device=q.device)
+    dv_acc = torch.empty_like(dk_acc)
+
+    def reset() -> None:
+        dk_acc.zero_()
+        dv_acc.zero_()
+
+    def launch(cfg) -> None:
+        num_m_blocks = triton.cdiv(Nq, cfg.block_m)
+        atomic_backward_kernel[grid_1d(num_m_blocks * B * H)](
+            q, k, v, do, lse, delta, dq, dk_acc, dv_acc, ctx.seqlens, ctx.counts_for(num_m_blocks * B * H),
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk_acc.stride()[:3],
+            H, ctx.group_size, Nq, Nk, num_m_blocks, ctx.scale, ctx.scale * LOG2E,
+            HEAD_DIM=D, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, DELTA_RECOMPUTE=recompute,
+            DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+    ctx.run(f"atomic:{delta_mode}", launch, reset=reset)
+    return dq, dk_acc.to(q.dtype), dv_acc.to(q.dtype)

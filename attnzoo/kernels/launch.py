@@ -1,0 +1,113 @@
+"""What every kernel launch of one attention call needs: the inputs, the mask parameters, the dot precision,
+the output allocation, the debug counters and the choice of launch config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import triton
+
+from ..backend import new_output, triton_interpreter_active
+from .tuning import AUTOTUNER, INTERPRETER_CONFIG, KernelConfig, candidates, seqlen_bucket
+
+
+def grid_1d(programs: int) -> tuple[int]:
+    """A 1-d grid: programs are laid out flat so that B*H may exceed the 65535 limit of grid axes 1 and 2."""
+    return (programs,)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: full IEEE float32 unless PyTorch allows TF32 matmuls (ignored for fp16/bf16)."""
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not triton_interpreter_active():
+        return "tf32"
+    return "ieee"
+
+
+@dataclass
+class LaunchContext:
+    """One attention call, prepared for the kernels.
+
+    q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nk, D]`` (any strides, passed to the kernels as they are).
+    ``forced_config``: use this config for every kernel (debug mode) instead of the autotuner.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    scale: float
+    causal: bool
+    seqlens_k: torch.Tensor | None
+    debug: bool = False
+    forced_config: KernelConfig | None = None
+    counts: dict[str, torch.Tensor] = field(default_factory=dict)
+    configs: dict[str, KernelConfig] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        device = self.q.device
+        self.group_size = self.q.shape[1] // self.k.shape[1]
+        self.seqlen_k = self.k.shape[2]
+        self.block_d = max(16, triton.next_power_of_2(self.q.shape[3]))
+        self.dot_precision = dot_precision(self.q.dtype)
+        self.has_seqlens = self.seqlens_k is not None
+        if self.has_seqlens:
+            self.seqlens = self.seqlens_k.to(device=device, dtype=torch.int32).contiguous()
+        else:
+            self.seqlens = torch.zeros(1, dtype=torch.int32, device=device)  # never read
+        self._dummy_counts = torch.zeros(2, dtype=torch.int32, device=device)  # never written
+        self._running: str | None = None
+
+    def new_output(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous output buffer that the kernels write completely (NaN-filled under ATTNZOO_POISON_OUTPUTS=1)."""
+        return new_output(shape, dtype, self.q.device)
+
+    def counts_for(self, programs: int) -> torch.Tensor:
+        """The debug counter buffer (``programs`` x (visited, skipped) int32) of the kernel being launched."""
+        if not self.debug:
+            return self._dummy_counts
+        buf = torch.full((programs, 2), -1, dtype=torch.int32, device=self.q.device)
+        self.counts[self._running] = buf
+        return buf
+
+    def run(
+        self,
+        kernel: str,
+        launch: Callable[[KernelConfig], None],
+        reset: Callable[[], None] | None = None,
+    ) -> KernelConfig:
+        """Launch ``kernel`` with the interpreter's, the forced or the autotuned config; returns the config used.
+
+        ``kernel`` names the candidate list (``"forward"``, ``"dkdv"``, ``"dq"``, ``"atomic"``), optionally
+        followed by ``":variant"`` when variants of one kernel must be tuned apart.
+
+        ``reset`` zeroes accumulation buffers; it runs before every launch of the kernel, so tuning trials
+        never leave partial sums behind.
+        """
+        self._running = kernel
+        if triton_interpreter_active():
+            cfg = self.forced_config or INTERPRETER_CONFIG
+        elif self.forced_config is not None:
+            cfg = self.forced_config
+        else:
+            q = self.q
+            key = (
+                kernel,
+                self.block_d,
+                q.dtype,
+                self.causal,
+                self.has_seqlens,
+                seqlen_bucket(q.shape[2]),
+                seqlen_bucket(self.seqlen_k),
+                self.dot_precision,
+                q.device.index,
+            )
+            configs = candidates(kernel.split(":")[0], self.block_d, q.dtype, q.device)
+            cfg = AUTOTUNER.choose(key, configs, launch, reset)
+        if reset is not None:
+            reset()
+        launch(cfg)
+        self.configs[kernel] = cfg
+        self._running = None
+        return cfg

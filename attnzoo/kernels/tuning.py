@@ -1,0 +1,152 @@
+"""Launch configurations of the Triton kernels and the autotuner that picks among them.
+
+Each kernel has a short list of candidate :class:`KernelConfig` (BLOCK_M query rows, BLOCK_N keys, warps,
+software-pipelining stages), pruned by an estimate of the shared memory they need.  The autotuner times the
+survivors once per *key* (the kernel, head-dim tile, dtype, causal, seqlens_k, and power-of-two buckets of Nq
+and Nk: what changes the best choice) and caches the winner.  It is written here instead of using
+``triton.autotune`` so that kernels that accumulate with atomics get their buffers zeroed before the final
+launch in every Triton version, and so that ``ATTNZOO_AUTOTUNE=0`` can switch tuning off.
+
+Under the Triton interpreter every kernel uses one small fixed config (16 x 16) so that CPU tests stay fast.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.runtime.errors import OutOfResources
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """BLOCK_M: query rows per tile; BLOCK_N: keys per tile; num_warps; num_stages (pipelining depth)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+INTERPRETER_CONFIG = KernelConfig(16, 16, 1, 1)
+
+# First entry = the default when autotuning is off.  Hopper: 8 warps (two warpgroups) for 128-row tiles.
+CANDIDATES: dict[str, list[KernelConfig]] = {
+    "forward": [
+        KernelConfig(128, 64, 8, 3),
+        KernelConfig(128, 64, 8, 4),
+        KernelConfig(128, 128, 8, 2),
+        KernelConfig(128, 128, 8, 3),
+        KernelConfig(128, 32, 4, 3),
+        KernelConfig(64, 64, 4, 3),
+        KernelConfig(64, 32, 4, 2),
+    ],
+    # K/V-stationary dK/dV: BLOCK_N keys resident, BLOCK_M query rows streamed.
+    "dkdv": [
+        KernelConfig(64, 128, 8, 3),
+        KernelConfig(32, 128, 8, 3),
+        KernelConfig(64, 128, 8, 2),
+        KernelConfig(64, 64, 4, 3),
+        KernelConfig(32, 64, 4, 3),
+        KernelConfig(16, 64, 4, 2),
+    ],
+    # Q-stationary dQ: BLOCK_M query rows resident, BLOCK_N keys streamed.
+    "dq": [
+        KernelConfig(128, 64, 8, 3),
+        KernelConfig(128, 32, 8, 3),
+        KernelConfig(128, 128, 8, 2),
+        KernelConfig(64, 64, 4, 3),
+        KernelConfig(64, 32, 4, 2),
+    ],
+    # Q-stationary backward with atomic dK/dV.
+    "atomic": [
+        KernelConfig(64, 64, 4, 2),
+        KernelConfig(128, 64, 8, 2),
+        KernelConfig(64, 128, 8, 2),
+        KernelConfig(128, 32, 8, 3),
+        KernelConfig(32, 64, 4, 2),
+    ],
+}
+
+
+def shared_memory_estimate(kernel: str, cfg: KernelConfig, block_d: int, itemsize: int) -> int:
+    """Bytes of shared memory a config needs, roughly: resident tiles + num_stages buffers per streamed tile."""
+    m, n, s = cfg.block_m, cfg.block_n, cfg.num_stages
+    if kernel == "forward":  # Q resident, K and V streamed.
+        return itemsize * block_d * (m + 2 * n * s)
+    if kernel == "dkdv":  # K, V resident; Q and dO streamed; P^T and dS^T staged for the dots.
+        return itemsize * (block_d * (2 * n + 2 * m * s) + 2 * m * n)
+    # dq, atomic: Q and dO resident; K and V streamed; dS (and P^T) staged for the dots.
+    return itemsize * (block_d * (2 * m + 2 * n * s) + 2 * m * n)
+
+
+def _shared_memory_limit(device: torch.device) -> int:
+    props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
+    return int(props["max_shared_mem"])
+
+
+def candidates(kernel: str, block_d: int, dtype: torch.dtype, device: torch.device) -> list[KernelConfig]:
+    """The configs of ``kernel`` that fit the device's shared memory (at least the smallest one)."""
+    configs = CANDIDATES[kernel]
+    limit = _shared_memory_limit(device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    fitting = [c for c in configs if shared_memory_estimate(kernel, c, block_d, itemsize) <= limit]
+    if fitting:
+        return fitting
+    # Nothing fits by the estimate: keep the smallest and let the compiler decide.
+    return [min(configs, key=lambda c: shared_memory_estimate(kernel, c, block_d, itemsize))]
+
+
+def autotune_enabled() -> bool:
+    """``ATTNZOO_AUTOTUNE=0`` turns tuning off (the first fitting candidate is used)."""
+    return os.environ.get("ATTNZOO_AUTOTUNE", "1") not in ("0", "")
+
+
+def seqlen_bucket(n: int) -> int:
+    """Power-of-two bucket of a sequence length (64 .. 16384): the best tile changes with N only slowly."""
+    return min(max(64, triton.next_power_of_2(max(n, 1))), 16384)
+
+
+class Autotuner:
+    """Time each candidate once per key, keep the fastest; ``reset`` runs before every timed and final launch."""
+
+    def __init__(self) -> None:
+        self.best: dict[tuple, KernelConfig] = {}
+        self.timings: dict[tuple, dict[KernelConfig, float]] = {}
+
+    def choose(
+        self,
+        key: tuple,
+        configs: list[KernelConfig],
+        launch: Callable[[KernelConfig], None],
+        reset: Callable[[], None] | None,
+    ) -> KernelConfig:
+        if key in self.best:
+            return self.best[key]
+        if len(configs) == 1 or not autotune_enabled():
+            self.best[key] = configs[0]
+            return configs[0]
+        timings: dict[KernelConfig, float] = {}
+        for cfg in configs:
+
+            def trial(cfg: KernelConfig = cfg) -> None:
+                if reset is not None:
+                    reset()
+                launch(cfg)
+
+            try:
+                trial()  # compile outside the timing
+                timings[cfg] = triton.testing.do_bench(trial, warmup=10, rep=40, return_mode="median")
+            except OutOfResources:
+                continue
+        if not timings:
+            raise RuntimeError(f"no launch configuration of {key[0]} fits this device; tried {configs}")
+        best = min(timings, key=timings.get)
+        self.best[key], self.timings[key] = best, timings
+        return best
+
+
+AUTOTUNER = Autotuner()
