@@ -31,7 +31,8 @@ class LaunchContext:
     """One attention call, prepared for the kernels.
 
     q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nk, D]`` (any strides, passed to the kernels as they are).
-    ``forced_config``: use this config for every kernel (debug mode) instead of the autotuner.
+    ``forced_config``: use this config (or ``{kernel: config}``, e.g. ``{"dkdv": ...}``) instead of the
+    autotuner's choice (debug mode, tests of every candidate).
     """
 
     q: torch.Tensor
@@ -41,7 +42,7 @@ class LaunchContext:
     causal: bool
     seqlens_k: torch.Tensor | None
     debug: bool = False
-    forced_config: KernelConfig | None = None
+    forced_config: KernelConfig | dict[str, KernelConfig] | None = None
     counts: dict[str, torch.Tensor] = field(default_factory=dict)
     configs: dict[str, KernelConfig] = field(default_factory=dict)
 
@@ -86,10 +87,13 @@ class LaunchContext:
         never leave partial sums behind.
         """
         self._running = kernel
-        if triton_interpreter_active():
-            cfg = self.forced_config or INTERPRETER_CONFIG
-        elif self.forced_config is not None:
-            cfg = self.forced_config
+        forced = self.forced_config
+        if isinstance(forced, dict):
+            forced = forced.get(kernel.split(":")[0])
+        if forced is not None:
+            cfg = forced
+        elif triton_interpreter_active():
+            cfg = INTERPRETER_CONFIG
         else:
             q = self.q
             key = (

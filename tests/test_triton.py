@@ -1,0 +1,244 @@
+"""Tests specific to the Triton backends; they run under the interpreter on the CPU (and on CUDA tensors when
+a GPU is present): tile counts from the kernels' debug mode against the exact causal/padding geometry, the
+``delta`` option of triton_atomic, NaN-free masking, strides, the support declarations and the autotuner's
+handling of accumulation buffers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+
+import attnzoo
+from attnzoo import debug, oracle
+from attnzoo.backends import triton_2kernel as t2k_module
+from attnzoo.backends.triton_atomic import TritonAtomic, variant
+from attnzoo.kernels import tuning
+from attnzoo.kernels.launch import LaunchContext
+from attnzoo.kernels.tuning import Autotuner, KernelConfig
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON = ("triton_2kernel", "triton_atomic")
+
+# (B, H, Hkv, Nq, Nk, D, causal, seqlens_k): causal with Nq < Nk, Nq > Nk (empty top rows), seqlens_k with 0,
+# head dims that are not powers of two, partial last blocks on both sides.
+GEOMETRIES = [
+    (2, 2, 1, 37, 53, 40, True, [46, 0]),
+    (1, 2, 2, 64, 64, 16, True, None),
+    (2, 1, 1, 50, 20, 24, True, [20, 7]),
+    (1, 4, 1, 33, 70, 16, False, [70]),
+    (2, 2, 2, 16, 48, 32, True, [5, 48]),
+]
+
+
+def _inputs(B, H, Hkv, Nq, Nk, D, seqlens, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Nq, D, generator=g, dtype=dtype)
+    k = torch.randn(B, Hkv, Nk, D, generator=g, dtype=dtype)
+    v = torch.randn(B, Hkv, Nk, D, generator=g, dtype=dtype)
+    do = torch.randn(B, H, Nq, D, generator=g, dtype=dtype)
+    sl = None if seqlens is None else torch.tensor(seqlens, dtype=torch.int32)
+    move = (lambda x: x.to(DEVICE)) if DEVICE == "cuda" else (lambda x: x)
+    return move(q), move(k), move(v), move(do), None if sl is None else move(sl)
+
+
+def _check_all(backend, q, k, v, do, causal, seqlens, scale=None):
+    o, lse = backend.forward(q, k, v, causal=causal, scale=scale, seqlens_k=seqlens)
+    dq, dk, dv = backend.backward(do, q, k, v, o, lse, causal=causal, scale=scale, seqlens_k=seqlens)
+    ref = oracle.reference(q, k, v, do, causal=causal, scale=scale, seqlens_k=seqlens)
+    base = oracle.plain_torch(q, k, v, do, causal, scale, seqlens) if q.dtype in oracle.LOW_PRECISION else None
+    for name, got in (("o", o), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
+        baseline = None if base is None else getattr(base, name)
+        check = oracle.check_output(name, got, getattr(ref, name), baseline, q.dtype)
+        assert check.ok, f"{backend!r} {name}: {check.message}"
+    return o, lse, dq, dk, dv
+
+
+def _expected_q_stationary(B, H, Hkv, Nq, Nk, causal, seqlens, bm, bn):
+    """Exact K/V tile counts per Q block: a tile is needed iff some real row sees some real key in it."""
+    mask = oracle.visible_mask(B, Nq, Nk, causal, None if seqlens is None else torch.tensor(seqlens))[:, 0]
+    n_m, n_n = math.ceil(Nq / bm), math.ceil(Nk / bn)
+    visited = torch.zeros(B, n_m, dtype=torch.int32)
+    for i in range(n_m):
+        for j in range(n_n):
+            visited[:, i] += mask[:, i * bm : (i + 1) * bm, j * bn : (j + 1) * bn].flatten(1).any(1).int()
+    visited = visited[:, None, :].expand(B, H, n_m)
+    return visited, n_n - visited
+
+
+def _expected_kv_stationary(B, H, Hkv, Nq, Nk, causal, seqlens, bm, bn):
+    """Exact Q tile counts per K/V block, summed over the group's query heads."""
+    mask = oracle.visible_mask(B, Nq, Nk, causal, None if seqlens is None else torch.tensor(seqlens))[:, 0]
+    n_m, n_n = math.ceil(Nq / bm), math.ceil(Nk / bn)
+    group = H // Hkv
+    visited = torch.zeros(B, n_n, dtype=torch.int32)
+    for j in range(n_n):
+        for i in range(n_m):
+            visited[:, j] += mask[:, i * bm : (i + 1) * bm, j * bn : (j + 1) * bn].flatten(1).any(1).int()
+    visited = (visited * group)[:, None, :].expand(B, Hkv, n_n)
+    return visited, n_m * group - visited
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize(
+    "backend,kernel", [("triton_2kernel", "forward"), ("triton_2kernel", "dq"), ("triton_atomic", "atomic")]
+)
+def test_q_stationary_tile_counts_match_geometry(geometry, backend, kernel):
+    B, H, Hkv, Nq, Nk, D, causal, seqlens = geometry
+    q, k, v, _, sl = _inputs(B, H, Hkv, Nq, Nk, D, seqlens)
+    counts = debug.tile_counts(backend, q, k, v, causal=causal, seqlens_k=sl, kernel=kernel)
+    visited, skipped = _expected_q_stationary(B, H, Hkv, Nq, Nk, causal, seqlens, counts.block_m, counts.block_n)
+    assert torch.equal(counts.visited, visited), f"visited {counts.visited.tolist()} != {visited.tolist()}"
+    assert torch.equal(counts.skipped, skipped)
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_kv_stationary_tile_counts_match_geometry(geometry):
+    B, H, Hkv, Nq, Nk, D, causal, seqlens = geometry
+    q, k, v, _, sl = _inputs(B, H, Hkv, Nq, Nk, D, seqlens)
+    counts = debug.tile_counts("triton_2kernel", q, k, v, causal=causal, seqlens_k=sl, kernel="dkdv")
+    visited, skipped = _expected_kv_stationary(B, H, Hkv, Nq, Nk, causal, seqlens, counts.block_m, counts.block_n)
+    assert torch.equal(counts.visited, visited), f"visited {counts.visited.tolist()} != {visited.tolist()}"
+    assert torch.equal(counts.skipped, skipped)
+
+
+def test_tile_counts_with_unequal_blocks():
+    """BLOCK_M != BLOCK_N: the diagonal spans several K/V tiles; the early exit must still be exact."""
+    B, H, Hkv, Nq, Nk, D, causal, seqlens = 1, 1, 1, 70, 90, 16, True, [77]
+    q, k, v, _, sl = _inputs(B, H, Hkv, Nq, Nk, D, seqlens)
+    for bm, bn in ((32, 16), (16, 32)):
+        fwd = debug.tile_counts("triton_2kernel", q, k, v, causal=causal, seqlens_k=sl, block_m=bm, block_n=bn)
+        assert torch.equal(fwd.visited, _expected_q_stationary(B, H, Hkv, Nq, Nk, causal, seqlens, bm, bn)[0])
+        kv = debug.tile_counts("triton_2kernel", q, k, v, causal, sl, kernel="dkdv", block_m=bm, block_n=bn)
+        assert torch.equal(kv.visited, _expected_kv_stationary(B, H, Hkv, Nq, Nk, causal, seqlens, bm, bn)[0])
+
+
+def test_tile_counts_rejects_unknown_kernel():
+    q, k, v, _, _ = _inputs(1, 1, 1, 16, 16, 16, None)
+    with pytest.raises(ValueError, match="kernel"):
+        debug.tile_counts("triton_2kernel", q, k, v, kernel="atomic")
+    with pytest.raises(ValueError, match="tile counts"):
+        debug.tile_counts("numpy_ref", q, k, v)
+
+
+@pytest.mark.parametrize("delta", ["recompute", "preprocess"])
+def test_atomic_delta_variants_match_oracle(delta):
+    q, k, v, do, sl = _inputs(2, 4, 2, 45, 38, 24, [38, 11], seed=3)
+    _check_all(variant(delta), q, k, v, do, True, sl)
+
+
+def test_atomic_delta_option():
+    assert attnzoo.get("triton_atomic").delta == "preprocess"
+    assert TritonAtomic(delta="recompute").delta == "recompute"
+    assert not attnzoo.get("triton_atomic").capabilities.deterministic
+    assert attnzoo.get("triton_2kernel").capabilities.deterministic
+    with pytest.raises(ValueError, match="delta"):
+        TritonAtomic(delta="twice")
+
+
+@pytest.mark.parametrize("name", TRITON)
+def test_fp16_matches_oracle_rule(name):
+    q, k, v, do, sl = _inputs(2, 2, 1, 40, 56, 64, [56, 30], dtype=torch.float16, seed=5)
+    _check_all(attnzoo.get(name), q, k, v, do, True, sl)
+
+
+@pytest.mark.parametrize("name", TRITON)
+def test_garbage_past_seqlens_never_leaks(name):
+    """Keys past seqlens_k are never read into P @ V: NaN there must not reach any output."""
+    q, k, v, do, sl = _inputs(2, 2, 2, 24, 40, 16, [17, 0], seed=7)
+    clean = _check_all(attnzoo.get(name), q, k, v, do, False, sl)
+    k_bad, v_bad = k.clone(), v.clone()
+    for b, n in enumerate(sl.tolist()):
+        k_bad[b, :, n:] = float("nan")
+        v_bad[b, :, n:] = float("inf")
+    be = attnzoo.get(name)
+    o, lse = be.forward(q, k_bad, v_bad, seqlens_k=sl)
+    dq, dk, dv = be.backward(do, q, k_bad, v_bad, o, lse, seqlens_k=sl)
+    for got, want in zip((o, lse, dq), clean[:3], strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip((dk, dv), clean[3:], strict=True):
+        assert not torch.isnan(got).any()
+        assert torch.allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", TRITON)
+def test_fully_masked_rows(name):
+    """seqlens_k = 0 for one batch and causal Nq > Nk: o = 0, lse = -inf, zero gradients, no NaN."""
+    q, k, v, do, sl = _inputs(2, 2, 1, 30, 12, 16, [0, 12], seed=9)
+    o, lse, dq, dk, dv = _check_all(attnzoo.get(name), q, k, v, do, True, sl)
+    assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isneginf(lse[0]).all()
+    assert not dq[0].any() and not dk[0].any() and not dv[0].any()
+    assert torch.isneginf(lse[1, :, :18]).all() and not o[1, :, :18].any()
+
+
+@pytest.mark.parametrize("name", TRITON)
+def test_any_strides(name):
+    """[B, N, H, D] storage transposed to [B, H, N, D], and K/V broadcast over heads with stride 0."""
+    g = torch.Generator().manual_seed(11)
+    B, H, Nq, Nk, D = 2, 4, 29, 35, 24
+    q = torch.randn(B, Nq, H, D, generator=g).transpose(1, 2)
+    k = torch.randn(B, Nk, 1, D, generator=g).transpose(1, 2).expand(B, 2, Nk, D)
+    v = torch.randn(B, 1, Nk, D + 8, generator=g)[..., :D].expand(B, 2, Nk, D)
+    do = torch.randn(B, H, Nq, D, generator=g)
+    if DEVICE == "cuda":
+        q, k, v, do = (x.to(DEVICE) for x in (q, k, v, do))
+    _check_all(attnzoo.get(name), q, k, v, do, True, None, scale=0.3)
+
+
+def test_support_declarations(monkeypatch):
+    be = attnzoo.get("triton_2kernel")
+    q = torch.randn(1, 1, 16, 16)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert t2k_module.INTERPRETER_REASON in be.not_supported_reasons(q, q, q)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert be.not_supported_reasons(q, q, q) == []
+    reasons = be.not_supported_reasons(q.bfloat16(), q.bfloat16(), q.bfloat16())
+    assert len(reasons) == 1 and "raw uint16 bits" in reasons[0]
+    for name in TRITON:
+        caps = attnzoo.get(name).capabilities
+        assert caps.max_head_dim == 256 and "cpu" not in caps.auto_rank
+    assert attnzoo.get("triton_2kernel").capabilities.auto_rank == {"cuda": 0}
+    assert attnzoo.get("triton_atomic").capabilities.auto_rank == {"cuda": 1}
+
+
+def test_autotuner_resets_accumulators_before_every_launch(monkeypatch):
+    """Tuning trials of an accumulating kernel must not leave partial sums in its output."""
+    launches = []
+    out = torch.zeros(4)
+
+    def launch(cfg: KernelConfig) -> None:  # a stand-in kernel that accumulates like atomic_add
+        launches.append(cfg)
+        out.add_(cfg.block_m)
+
+    def fake_bench(fn, **kwargs):
+        for _ in range(3):
+            fn()
+        return float(launches[-1].block_m == 64)  # the 32-row config is "fastest"
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
+    monkeypatch.setattr(tuning, "AUTOTUNER", Autotuner())
+    monkeypatch.setattr("attnzoo.kernels.launch.AUTOTUNER", tuning.AUTOTUNER)
+    monkeypatch.setattr("attnzoo.kernels.launch.triton_interpreter_active", lambda: False)
+    configs = [KernelConfig(64, 64, 4, 2), KernelConfig(32, 64, 4, 2)]
+    monkeypatch.setattr("attnzoo.kernels.launch.candidates", lambda *a: configs)
+    monkeypatch.setenv("ATTNZOO_AUTOTUNE", "1")
+    x = torch.randn(1, 1, 16, 16)
+    ctx = LaunchContext(x, x, x, scale=1.0, causal=False, seqlens_k=None)
+    chosen = ctx.run("atomic", launch, reset=out.zero_)
+    assert chosen == configs[1] and len(launches) > 2
+    assert torch.equal(out, torch.full((4,), 32.0)), "buffers kept sums from tuning trials"
+    # Cached afterwards: one launch, again from zero.
+    ctx.run("atomic", launch, reset=out.zero_)
+    assert torch.equal(out, torch.full((4,), 32.0))
+
+
+def test_candidates_pruned_by_shared_memory(monkeypatch):
+    monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 100_000)
+    fitting = tuning.candidates("forward", 128, torch.float16, torch.device("cpu"))
+    assert fitting and all(tuning.shared_memory_estimate("forward", c, 128, 2) <= 100_000 for c in fitting)
+    assert len(fitting) < len(tuning.CANDIDATES["forward"])
+    monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 1)
+    assert len(tuning.candidates("dkdv", 256, torch.float32, torch.device("cpu"))) == 1
