@@ -40,7 +40,8 @@ from .tuning import INTERPRETER_CONFIG
 PREPROCESS_BLOCK_M = 64
 
 
-@triton.jit
+# Sizes vary per call: no per-value specialisation (one compiled kernel per tile shape, dtype and flags).
+@triton.jit(do_not_specialize=["head_dim", "num_heads", "seqlen_q", "num_m_blocks"])
 def delta_preprocess_kernel(
     o_ptr,
     do_ptr,
@@ -56,7 +57,8 @@ def delta_preprocess_kernel(
     num_heads,
     seqlen_q,
     num_m_blocks,
-    HEAD_DIM: tl.constexpr,
+    head_dim,
+    EVEN_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
@@ -73,15 +75,15 @@ def delta_preprocess_kernel(
     do_head = head_pointer(do_ptr, batch, head, stride_dob, stride_doh)
     o_tile = load_tile(
         tile_pointers(o_head, start_m, local_m, cols, stride_om, stride_od), rows, seqlen_q, cols,
-        HEAD_DIM, BLOCK_D, True,
+        head_dim, EVEN_D, True,
     )  # fmt: skip
     do_tile = load_tile(
         tile_pointers(do_head, start_m, local_m, cols, stride_dom, stride_dod),
         rows,
         seqlen_q,
         cols,
-        HEAD_DIM,
-        BLOCK_D,
+        head_dim,
+        EVEN_D,
         True,
     )
     delta = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)
@@ -96,7 +98,7 @@ def compute_delta(ctx: LaunchContext, o: torch.Tensor, do: torch.Tensor) -> torc
     num_m_blocks = triton.cdiv(Nq, block_m)
     delta_preprocess_kernel[grid_1d(num_m_blocks * B * H)](
         o, do, delta, *o.stride(), *do.stride(), H, Nq, num_m_blocks,
-        HEAD_DIM=D, BLOCK_D=ctx.block_d, BLOCK_M=block_m, num_warps=4,
+        head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=block_m, num_warps=4,
     )  # fmt: skip
     return delta
 
@@ -123,7 +125,8 @@ def _dkdv_stage(
     diagonal_offset,
     seqlen_k_b,
     qk_scale,
-    HEAD_DIM: tl.constexpr,
+    head_dim,
+    EVEN_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -142,11 +145,11 @@ def _dkdv_stage(
         # Padding rows (>= Nq) load as zeros with lse = +inf, so their P is 0: only the loads are masked.
         q_tile = load_tile(
             tile_pointers(q_head, start_m, local_m, cols, stride_qm, stride_qd), rows, seqlen_q, cols,
-            HEAD_DIM, BLOCK_D, True,
+            head_dim, EVEN_D, True,
         )  # fmt: skip
         do_tile = load_tile(
             tile_pointers(do_head, start_m, local_m, cols, stride_dom, stride_dod), rows, seqlen_q, cols,
-            HEAD_DIM, BLOCK_D, True,
+            head_dim, EVEN_D, True,
         )  # fmt: skip
         lse2 = load_lse2(lse_row_ptr + rows, rows, seqlen_q)
         delta = tl.load(delta_row_ptr + rows, mask=rows < seqlen_q, other=0.0)
@@ -162,7 +165,10 @@ def _dkdv_stage(
     return dk, dv, visited
 
 
-@triton.jit
+# Sizes vary per call: no per-value specialisation (one compiled kernel per tile shape, dtype and flags).
+@triton.jit(
+    do_not_specialize=["head_dim", "num_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "num_n_blocks"]
+)
 def dkdv_kernel(
     q_ptr,
     k_ptr,
@@ -202,7 +208,8 @@ def dkdv_kernel(
     num_n_blocks,
     sm_scale,
     qk_scale,
-    HEAD_DIM: tl.constexpr,
+    head_dim,
+    EVEN_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -232,11 +239,11 @@ def dkdv_kernel(
     v_head = head_pointer(v_ptr, batch, kv_head, stride_vb, stride_vh)
     k_tile = load_tile(
         tile_pointers(k_head, start_n, local_n, cols, stride_kn, stride_kd), keys, seqlen_k_b, cols,
-        HEAD_DIM, BLOCK_D, True,
+        head_dim, EVEN_D, True,
     )  # fmt: skip
     v_tile = load_tile(
         tile_pointers(v_head, start_n, local_n, cols, stride_vn, stride_vd), keys, seqlen_k_b, cols,
-        HEAD_DIM, BLOCK_D, True,
+        head_dim, EVEN_D, True,
     )  # fmt: skip
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -252,12 +259,12 @@ def dkdv_kernel(
         dk, dv, visited = _dkdv_stage(
             dk, dv, visited, k_tile, v_tile, q_head, do_head, lse_ptr + row_offset, delta_ptr + row_offset,
             stride_qm, stride_qd, stride_dom, stride_dod, keys, lo, unmasked_lo, seqlen_q, diagonal_offset,
-            seqlen_k_b, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, True, DOT_PRECISION,
+            seqlen_k_b, qk_scale, head_dim, EVEN_D, BLOCK_D, BLOCK_M, CAUSAL, True, DOT_PRECISION,
         )  # fmt: skip
         dk, dv, visited = _dkdv_stage(
             dk, dv, visited, k_tile, v_tile, q_head, do_head, lse_ptr + row_offset, delta_ptr + row_offset,
             stride_qm, stride_qd, stride_dom, stride_dod, keys, unmasked_lo, hi, seqlen_q, diagonal_offset,
-            seqlen_k_b, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, False, DOT_PRECISION,
+            seqlen_k_b, qk_scale, head_dim, EVEN_D, BLOCK_D, BLOCK_M, CAUSAL, False, DOT_PRECISION,
         )  # fmt: skip
 
     dk_head = head_pointer(dk_ptr, batch, kv_head, stride_dkb, stride_dkh)
@@ -269,7 +276,7 @@ def dkdv_kernel(
         keys,
         seqlen_k,
         cols,
-        HEAD_DIM,
+        head_dim,
     )
     store_tile(
         tile_pointers(dv_head, start_n, local_n, cols, stride_dkn, stride_dkd),
@@ -277,7 +284,7 @@ def dkdv_kernel(
         keys,
         seqlen_k,
         cols,
-        HEAD_DIM,
+        head_dim,
     )
     if DEBUG:
         total = tl.cdiv(seqlen_q, BLOCK_M) * group_size
@@ -305,7 +312,8 @@ def _dq_stage(
     diagonal_offset,
     seqlen_k_b,
     qk_scale,
-    HEAD_DIM: tl.constexpr,
+    head_dim,
+    EVEN_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -319,11 +327,11 @@ def _dq_stage(
         keys = start_n + local_n
         k_tile = load_tile(
             tile_pointers(k_head, start_n, local_n, cols, stride_kn, stride_kd), keys, seqlen_k_b, cols,
-            HEAD_DIM, BLOCK_D, MASKED,
+            head_dim, EVEN_D, MASKED,
         )  # fmt: skip
         v_tile = load_tile(
             tile_pointers(v_head, start_n, local_n, cols, stride_vn, stride_vd), keys, seqlen_k_b, cols,
-            HEAD_DIM, BLOCK_D, MASKED,
+            head_dim, EVEN_D, MASKED,
         )  # fmt: skip
         scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
         dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=DOT_PRECISION)
@@ -336,7 +344,8 @@ def _dq_stage(
     return dq, visited
 
 
-@triton.jit
+# Sizes vary per call: no per-value specialisation (one compiled kernel per tile shape, dtype and flags).
+@triton.jit(do_not_specialize=["head_dim", "num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks"])
 def dq_kernel(
     q_ptr,
     k_ptr,
@@ -374,7 +383,8 @@ def dq_kernel(
     num_m_blocks,
     sm_scale,
     qk_scale,
-    HEAD_DIM: tl.constexpr,
+    head_dim,
+    EVEN_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -404,11 +414,11 @@ def dq_kernel(
     v_head = head_pointer(v_ptr, batch, kv_head, stride_vb, stride_vh)
     q_tile = load_tile(
         tile_pointers(q_head, start_m, local_m, cols, stride_qm, stride_qd), rows, seqlen_q, cols,
-        HEAD_DIM, BLOCK_D, True,
+        head_dim, EVEN_D, True,
     )  # fmt: skip
     do_tile = load_tile(
         tile_pointers(do_head, start_m, local_m, cols, stride_dom, stride_dod), rows, seqlen_q, cols,
-        HEAD_DIM, BLOCK_D, True,
+        head_dim, EVEN_D, True,
     )  # fmt: skip
     row_offset = as_int64(bh) * seqlen_q
     lse2 = load_lse2(lse_ptr + row_offset + rows, rows, seqlen_q)
@@ -421,12 +431,12 @@ def dq_kernel(
     dq, visited = _dq_stage(
         dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
         rows, 0, unmasked_end, diagonal_offset, seqlen_k_b, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, False, DOT_PRECISION,
+        head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, False, DOT_PRECISION,
     )  # fmt: skip
     dq, visited = _dq_stage(
         dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
         rows, unmasked_end, end, diagonal_offset, seqlen_k_b, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION,
+        head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION,
     )  # fmt: skip
     dq_head = head_pointer(dq_ptr, batch, head, stride_dqb, stride_dqh)
     store_tile(
@@ -435,7 +445,7 @@ def dq_kernel(
         rows,
         seqlen_q,
         cols,
-        HEAD_DIM,
+        head_dim,
     )
     if DEBUG:
         program = bh * num_m_blocks + m_block
@@ -464,7 +474,7 @@ def attention_backward_2kernel(
             q, k, v, do, lse, delta, dk, dv, ctx.seqlens, ctx.counts_for(num_n_blocks * B * Hkv),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
             H, Hkv, ctx.group_size, Nq, Nk, num_n_blocks, ctx.scale, qk_scale,
-            HEAD_DIM=D, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
@@ -475,7 +485,7 @@ def attention_backward_2kernel(
             q, k, v, do, lse, delta, dq, ctx.seqlens, ctx.counts_for(num_m_blocks * B * H),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
             H, ctx.group_size, Nq, Nk, num_m_blocks, ctx.scale, qk_scale,
-            HEAD_DIM=D, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip

@@ -56,7 +56,8 @@ def _delta_recompute_stage(
     diagonal_offset,
     seqlen_k_b,
     qk_scale,
-    HEAD_DIM: tl.constexpr,
+    head_dim,
+    EVEN_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -70,11 +71,11 @@ def _delta_recompute_stage(
         keys = start_n + local_n
         k_tile = load_tile(
             tile_pointers(k_head, start_n, local_n, cols, stride_kn, stride_kd), keys, seqlen_k_b, cols,
-            HEAD_DIM, BLOCK_D, MASKED,
+            head_dim, EVEN_D, MASKED,
         )  # fmt: skip
         v_tile = load_tile(
             tile_pointers(v_head, start_n, local_n, cols, stride_vn, stride_vd), keys, seqlen_k_b, cols,
-            HEAD_DIM, BLOCK_D, MASKED,
+            head_dim, EVEN_D, MASKED,
         )  # fmt: skip
         scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
         dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=DOT_PRECISION)
@@ -112,7 +113,8 @@ def _atomic_stage(
     seqlen_k_b,
     sm_scale,
     qk_scale,
-    HEAD_DIM: tl.constexpr,
+    head_dim,
+    EVEN_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -126,11 +128,11 @@ def _atomic_stage(
         keys = start_n + local_n
         k_tile = load_tile(
             tile_pointers(k_head, start_n, local_n, cols, stride_kn, stride_kd), keys, seqlen_k_b, cols,
-            HEAD_DIM, BLOCK_D, MASKED,
+            head_dim, EVEN_D, MASKED,
         )  # fmt: skip
         v_tile = load_tile(
             tile_pointers(v_head, start_n, local_n, cols, stride_vn, stride_vd), keys, seqlen_k_b, cols,
-            HEAD_DIM, BLOCK_D, MASKED,
+            head_dim, EVEN_D, MASKED,
         )  # fmt: skip
         scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
         dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=DOT_PRECISION)
@@ -143,14 +145,15 @@ def _atomic_stage(
         dk_part = tl.dot(tl.trans(ds.to(q_tile.dtype)), q_tile, input_precision=DOT_PRECISION) * sm_scale
         # The float32 accumulators are contiguous [B, Hkv, Nk, D]; rows past Nk do not exist.
         offsets = as_int64(start_n) * stride_accn + local_n[:, None] * stride_accn + cols[None, :]
-        in_bounds = (keys[:, None] < seqlen_k) & (cols[None, :] < HEAD_DIM)
+        in_bounds = (keys[:, None] < seqlen_k) & (cols[None, :] < head_dim)
         tl.atomic_add(dv_head + offsets, dv_part, mask=in_bounds, sem="relaxed")
         tl.atomic_add(dk_head + offsets, dk_part, mask=in_bounds, sem="relaxed")
         visited += 1
     return dq, visited
 
 
-@triton.jit
+# Sizes vary per call: no per-value specialisation (one compiled kernel per tile shape, dtype and flags).
+@triton.jit(do_not_specialize=["head_dim", "num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks"])
 def atomic_backward_kernel(
     q_ptr,
     k_ptr,
@@ -193,7 +196,8 @@ def atomic_backward_kernel(
     num_m_blocks,
     sm_scale,
     qk_scale,
-    HEAD_DIM: tl.constexpr,
+    head_dim,
+    EVEN_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -229,11 +233,11 @@ def atomic_backward_kernel(
     dv_head = head_pointer(dv_acc_ptr, batch, kv_head, stride_accb, stride_acch)
     q_tile = load_tile(
         tile_pointers(q_head, start_m, local_m, cols, stride_qm, stride_qd), rows, seqlen_q, cols,
-        HEAD_DIM, BLOCK_D, True,
+        head_dim, EVEN_D, True,
     )  # fmt: skip
     do_tile = load_tile(
         tile_pointers(do_head, start_m, local_m, cols, stride_dom, stride_dod), rows, seqlen_q, cols,
-        HEAD_DIM, BLOCK_D, True,
+        head_dim, EVEN_D, True,
     )  # fmt: skip
     row_offset = as_int64(bh) * seqlen_q
     lse2 = load_lse2(lse_ptr + row_offset + rows, rows, seqlen_q)
@@ -245,12 +249,12 @@ def atomic_backward_kernel(
         delta = _delta_recompute_stage(
             delta, q_tile, do_tile, lse2, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
             rows, 0, unmasked_end, diagonal_offset, seqlen_k_b, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, False, DOT_PRECISION,
+            head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, False, DOT_PRECISION,
         )  # fmt: skip
         delta = _delta_recompute_stage(
             delta, q_tile, do_tile, lse2, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
             rows, unmasked_end, end, diagonal_offset, seqlen_k_b, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION,
+            head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION,
         )  # fmt: skip
     else:
         delta = tl.load(delta_ptr + row_offset + rows, mask=rows < seqlen_q, other=0.0)
@@ -260,12 +264,12 @@ def atomic_backward_kernel(
     dq, visited = _atomic_stage(
         dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, dk_head, dv_head,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_accn, rows, 0, unmasked_end, diagonal_offset,
-        seqlen_k, seqlen_k_b, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, False, DOT_PRECISION,
+        seqlen_k, seqlen_k_b, sm_scale, qk_scale, head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, False, DOT_PRECISION,
     )  # fmt: skip
     dq, visited = _atomic_stage(
         dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, dk_head, dv_head,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_accn, rows, unmasked_end, end, diagonal_offset,
-        seqlen_k, seqlen_k_b, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION,
+        seqlen_k, seqlen_k_b, sm_scale, qk_scale, head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION,
     )  # fmt: skip
     dq_head = head_pointer(dq_ptr, batch, head, stride_dqb, stride_dqh)
     store_tile(
@@ -274,7 +278,7 @@ def atomic_backward_kernel(
         rows,
         seqlen_q,
         cols,
-        HEAD_DIM,
+        head_dim,
     )
     if DEBUG:
         program = bh * num_m_blocks + m_block
@@ -313,7 +317,7 @@ def attention_backward_atomic(
             q, k, v, do, lse, delta, dq, dk_acc, dv_acc, ctx.seqlens, ctx.counts_for(num_m_blocks * B * H),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk_acc.stride()[:3],
             H, ctx.group_size, Nq, Nk, num_m_blocks, ctx.scale, ctx.scale * LOG2E,
-            HEAD_DIM=D, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, DELTA_RECOMPUTE=recompute,
             DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,

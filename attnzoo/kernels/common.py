@@ -45,29 +45,30 @@ def tile_pointers(base, first_row, local_rows, cols, stride_row, stride_col):
 
 
 @triton.jit
-def load_tile(ptrs, rows, row_limit, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
-    """Load a ``[rows, BLOCK_D]`` tile; rows ``>= row_limit`` (when CHECK_ROWS) and columns ``>= HEAD_DIM`` read 0.
+def load_tile(ptrs, rows, row_limit, cols, head_dim, EVEN_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """Load a ``[rows, BLOCK_D]`` tile; rows ``>= row_limit`` (when CHECK_ROWS) and columns ``>= head_dim`` read 0.
 
-    Without CHECK_ROWS and with a power-of-two head dim the load carries no predicate at all, which lets the
-    compiler issue wide unpredicated copies in the unmasked stage of the loops.
+    EVEN_D: the head dim equals the tile width (a power of two), so no column mask.  Without CHECK_ROWS and
+    with EVEN_D the load carries no predicate at all, which lets the compiler issue wide unpredicated copies
+    in the unmasked stage of the loops.
     """
     if CHECK_ROWS:
-        if BLOCK_D == HEAD_DIM:
+        if EVEN_D:
             tile = tl.load(ptrs, mask=rows[:, None] < row_limit, other=0.0)
         else:
-            tile = tl.load(ptrs, mask=(rows[:, None] < row_limit) & (cols[None, :] < HEAD_DIM), other=0.0)
+            tile = tl.load(ptrs, mask=(rows[:, None] < row_limit) & (cols[None, :] < head_dim), other=0.0)
     else:
-        if BLOCK_D == HEAD_DIM:
+        if EVEN_D:
             tile = tl.load(ptrs)
         else:
-            tile = tl.load(ptrs, mask=cols[None, :] < HEAD_DIM, other=0.0)
+            tile = tl.load(ptrs, mask=cols[None, :] < head_dim, other=0.0)
     return tile
 
 
 @triton.jit
-def store_tile(ptrs, value, rows, row_limit, cols, HEAD_DIM: tl.constexpr):
-    """Store a ``[rows, BLOCK_D]`` tile, skipping rows ``>= row_limit`` and columns ``>= HEAD_DIM``."""
-    tl.store(ptrs, value, mask=(rows[:, None] < row_limit) & (cols[None, :] < HEAD_DIM))
+def store_tile(ptrs, value, rows, row_limit, cols, head_dim):
+    """Store a ``[rows, BLOCK_D]`` tile, skipping rows ``>= row_limit`` and columns ``>= head_dim``."""
+    tl.store(ptrs, value, mask=(rows[:, None] < row_limit) & (cols[None, :] < head_dim))
 
 
 @triton.jit

@@ -49,7 +49,8 @@ def _forward_stage(
     diagonal_offset,
     seqlen_k_b,
     qk_scale,
-    HEAD_DIM: tl.constexpr,
+    head_dim,
+    EVEN_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -66,8 +67,8 @@ def _forward_stage(
             keys,
             seqlen_k_b,
             cols,
-            HEAD_DIM,
-            BLOCK_D,
+            head_dim,
+            EVEN_D,
             MASKED,
         )
         scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale
@@ -79,8 +80,8 @@ def _forward_stage(
             keys,
             seqlen_k_b,
             cols,
-            HEAD_DIM,
-            BLOCK_D,
+            head_dim,
+            EVEN_D,
             MASKED,
         )
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, scores, v_tile, MASKED, DOT_PRECISION)
@@ -88,7 +89,8 @@ def _forward_stage(
     return acc, m_i, l_i, visited
 
 
-@triton.jit
+# Sizes vary per call: no per-value specialisation (one compiled kernel per tile shape, dtype and flags).
+@triton.jit(do_not_specialize=["head_dim", "num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks"])
 def attention_forward_kernel(
     q_ptr,
     k_ptr,
@@ -119,7 +121,8 @@ def attention_forward_kernel(
     seqlen_k,
     num_m_blocks,
     qk_scale,
-    HEAD_DIM: tl.constexpr,
+    head_dim,
+    EVEN_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -153,7 +156,7 @@ def attention_forward_kernel(
     v_head = head_pointer(v_ptr, batch, kv_head, stride_vb, stride_vh)
     q_tile = load_tile(
         tile_pointers(q_head, start_m, local_m, cols, stride_qm, stride_qd), rows, seqlen_q, cols,
-        HEAD_DIM, BLOCK_D, True,
+        head_dim, EVEN_D, True,
     )  # fmt: skip
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -165,12 +168,12 @@ def attention_forward_kernel(
     acc, m_i, l_i, visited = _forward_stage(
         acc, m_i, l_i, visited, q_tile, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, rows,
         0, unmasked_end, diagonal_offset, seqlen_k_b, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, False, DOT_PRECISION,
+        head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, False, DOT_PRECISION,
     )  # fmt: skip
     acc, m_i, l_i, visited = _forward_stage(
         acc, m_i, l_i, visited, q_tile, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, rows,
         unmasked_end, end, diagonal_offset, seqlen_k_b, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION,
+        head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION,
     )  # fmt: skip
 
     # Rows with no visible key: l = 0, acc = 0, m = -inf -> o = 0, lse = -inf (no NaN).
@@ -185,7 +188,7 @@ def attention_forward_kernel(
         rows,
         seqlen_q,
         cols,
-        HEAD_DIM,
+        head_dim,
     )
     tl.store(lse_ptr + as_int64(bh) * seqlen_q + rows, lse, mask=rows < seqlen_q)
     if DEBUG:
@@ -208,7 +211,7 @@ def attention_forward(ctx: LaunchContext) -> tuple[torch.Tensor, torch.Tensor]:
             q, k, v, o, lse, ctx.seqlens, ctx.counts_for(num_m_blocks * B * H),
             *q.stride(), *k.stride(), *v.stride(), *o.stride(),
             H, ctx.group_size, Nq, ctx.seqlen_k, num_m_blocks, ctx.scale * LOG2E,
-            HEAD_DIM=D, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip

@@ -51,6 +51,7 @@ class LaunchContext:
         self.group_size = self.q.shape[1] // self.k.shape[1]
         self.seqlen_k = self.k.shape[2]
         self.block_d = max(16, triton.next_power_of_2(self.q.shape[3]))
+        self.even_d = self.q.shape[3] == self.block_d  # no column mask needed
         self.dot_precision = dot_precision(self.q.dtype)
         self.has_seqlens = self.seqlens_k is not None
         if self.has_seqlens:
