@@ -32,12 +32,13 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True)
 class Inputs:
-    """One case's tensors: q ``[B, H, N, D]``, k/v ``[B, Hkv, N, D]``, do like q, seqlens_k ``[B]`` or None."""
+    """One case's tensors: q ``[B, H, N, D]``, k/v ``[B, Hkv, N, D]``, do like q (None in fwd mode, so that it
+    does not count in the forward's peak memory), seqlens_k ``[B]`` or None."""
 
     q: Tensor
     k: Tensor
     v: Tensor
-    do: Tensor
+    do: Tensor | None
     causal: bool
     seqlens_k: Tensor | None
 
@@ -109,6 +110,9 @@ def _block_sizes(backend: Any) -> tuple[int, int] | None:
     return None
 
 
+_TRITON_DEBUG_BACKENDS = ("triton_2kernel", "triton_atomic")
+
+
 class BackendImpl(Impl):
     """A registered attnzoo backend; ``forward``/``backward`` are the backend's own calls."""
 
@@ -152,6 +156,16 @@ class BackendImpl(Impl):
         return Prepared(step, forward, make_backward if train else None)
 
     def skip_ratio(self, inputs: Inputs) -> float | None:
+        i = inputs
+        if self.backend_name in _TRITON_DEBUG_BACKENDS:
+            # Counted by the forward kernel itself (attnzoo.debug: a DEBUG build counts loaded and skipped K/V
+            # tiles per program), with the debug build's fixed 64 x 64 tiles rather than the autotuned ones.
+            from attnzoo.debug import tile_counts
+
+            counts = tile_counts(self.backend, i.q, i.k, i.v, causal=i.causal, seqlens_k=i.seqlens_k)
+            visited, skipped = int(counts.visited.sum()), int(counts.skipped.sum())
+            return skipped / (visited + skipped) if visited + skipped else 0.0
+        # Python-loop backends: the causal/padding geometry with the backend's own block sizes.
         blocks = _block_sizes(self.backend)
         if blocks is None:
             return None
@@ -238,12 +252,16 @@ def _flex() -> Callable:
     global _compiled_flex
     if _compiled_flex is None:
         import torch._dynamo
+        import torch._functorch.config
         from torch.nn.attention.flex_attention import flex_attention
 
         # One compiled graph per (shape, dtype, requires_grad): a grid has dozens, above dynamo's default limit
         # of 8, after which it would silently fall back to eager (materialising the scores).
         torch._dynamo.config.cache_size_limit = 1024
         torch._dynamo.config.accumulated_cache_size_limit = 4096
+        # The timed backward differentiates one retained graph again and again (retain_graph=True), which a
+        # compiled backward with donated buffers refuses.
+        torch._functorch.config.donated_buffer = False
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex
 
@@ -294,7 +312,9 @@ SDPA_IMPLS = {
 }
 
 # Backend variants timed as their own impls: impl name -> (registered backend, constructor keyword options).
-BACKEND_VARIANTS: dict[str, tuple[str, dict]] = {}
+# triton_atomic's registered instance obtains D_i = rowsum(dO * O) from a preprocess kernel; the recompute variant
+# gets it from a second pass over K/V inside the backward kernel (TritonAtomic(delta=...)).
+BACKEND_VARIANTS: dict[str, tuple[str, dict]] = {"triton_atomic_recompute": ("triton_atomic", {"delta": "recompute"})}
 
 
 def impl_names() -> list[str]:

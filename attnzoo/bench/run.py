@@ -123,6 +123,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="a step (forward + backward) slower than this after compilation is recorded as skipped, and so are "
         "larger N of that impl: on a GPU this keeps the Python-loop references from eating the run's time",
     )
+    p.add_argument("--time-budget-s", type=float, default=0, help="start no case after this many seconds (0: no limit)")
     p.add_argument("--out", default=None, help="CSV path (default bench/results/<machine>_bench.csv)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -170,7 +171,7 @@ def make_inputs(case: Case, device: torch.device, seed: int) -> impl_registry.In
 
     q = randn(case.B, case.H, case.N, case.D)
     k, v = randn(case.B, case.Hkv, case.N, case.D), randn(case.B, case.Hkv, case.N, case.D)
-    do = randn(case.B, case.H, case.N, case.D)
+    do = randn(case.B, case.H, case.N, case.D) if case.train else None
     seqlens = None
     if case.seqlen_k < case.N:
         seqlens = torch.full((case.B,), case.seqlen_k, dtype=torch.int32, device=device)
@@ -265,21 +266,31 @@ def fill_speedups(rows: list[dict]) -> None:
                 row[column] = ref / row["total_ms"]
 
 
-def run_grid(cases: list[Case], args, device: torch.device) -> list[dict]:
-    """Run every case in order; larger N of an impl that was too slow at a smaller N are skipped, not run."""
+def run_grid(cases: list[Case], args, device: torch.device, out: Path | None = None) -> list[dict]:
+    """Run every case in order and return the rows (speedups filled).
+
+    Larger N of an impl that was too slow at a smaller N are skipped, not run.  Cases left when
+    ``--time-budget-s`` is spent are written as skipped.  With ``out``, each row is appended to the CSV as soon as
+    it is measured (the file is rewritten with the speedups at the end), so that a killed run keeps its rows.
+    """
     machine = machine_info()
     progress = Progress(len(cases), enabled=not args.quiet)
     too_slow: dict[tuple, int] = {}  # (dtype, mode, impl, D, causal) -> the N where it was too slow
-    rows = []
+    start = time.perf_counter()
+    rows: list[dict] = []
     for case in cases:
         group = (case.dtype, case.mode, case.impl, case.D, case.causal)
-        if group in too_slow:
+        if args.time_budget_s and time.perf_counter() - start > args.time_budget_s:
+            result = {"status": f"skipped: not run, --time-budget-s {args.time_budget_s:g} spent"}
+        elif group in too_slow:
             result = {"status": f"skipped: too slow at N={too_slow[group]} (--max-call-s)"}
         else:
             result = run_case(case, args, device)
             if result["status"].startswith("skipped: too slow"):
                 too_slow[group] = case.N
         rows.append({**machine, **case.row(), **result})
+        if out is not None:
+            write_csv(out, rows[-1:], append=len(rows) > 1)
         outcome = result["status"]
         if status_kind(outcome) == STATUS_OK:
             outcome = f"{result['total_ms']:.3f} ms"
@@ -293,8 +304,8 @@ def main(argv: list[str]) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cases = build_grid(args)
     start = time.perf_counter()
-    rows = run_grid(cases, args, device)
     out = Path(args.out or f"bench/results/{machine_tag(machine_info()['gpu_name'])}_bench.csv")
+    rows = run_grid(cases, args, device, out)
     write_csv(out, rows)
     counts: dict[str, int] = {}
     for row in rows:

@@ -80,13 +80,17 @@ def _cell(value) -> str:
     return str(value)
 
 
-def write_csv(path: str | Path, rows: Iterable[dict]) -> None:
-    """Write rows (dicts keyed by :data:`COLUMNS`; missing keys are empty cells) to ``path``."""
+def write_csv(path: str | Path, rows: Iterable[dict], append: bool = False) -> None:
+    """Write rows (dicts keyed by :data:`COLUMNS`; missing keys are empty cells) to ``path``.
+
+    ``append`` adds the rows to an existing file without a header.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
+    with path.open("a" if append else "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
+        if not append:
+            writer.writeheader()
         for row in rows:
             writer.writerow({c: _cell(row.get(c)) for c in COLUMNS})
 
