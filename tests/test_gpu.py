@@ -1,0 +1,222 @@
+"""GPU tests of the Triton backends (``pytest -m gpu``; skipped without CUDA).
+
+Large shapes are judged by SPEC.md's rule against the float64 oracle's own formulas (``attnzoo.oracle``) run
+*on the GPU in float64*, one (batch, query head) at a time so that the N x N score matrix fits; the low-precision
+baseline ("plain PyTorch in the input dtype") is computed the same way.  Small shapes use the CPU oracle.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnzoo
+from attnzoo import oracle
+from attnzoo.backends.triton_2kernel import make_context
+from attnzoo.backends.triton_atomic import variant
+from attnzoo.kernels.backward_2kernel import attention_backward_2kernel
+from attnzoo.kernels.backward_atomic import attention_backward_atomic
+from attnzoo.kernels.forward import attention_forward
+from attnzoo.kernels.tuning import CANDIDATES, candidates
+
+pytestmark = pytest.mark.gpu
+CUDA = "cuda"
+TRITON = ("triton_2kernel", "triton_atomic")
+NAMES = ("o", "lse", "dq", "dk", "dv")
+
+
+def _make(B, H, Hkv, Nq, Nk, D, dtype, seqlens=None, seed=0):
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    q = torch.randn(B, H, Nq, D, device=CUDA, dtype=dtype, generator=g)
+    k = torch.randn(B, Hkv, Nk, D, device=CUDA, dtype=dtype, generator=g)
+    v = torch.randn(B, Hkv, Nk, D, device=CUDA, dtype=dtype, generator=g)
+    do = torch.randn(B, H, Nq, D, device=CUDA, dtype=dtype, generator=g)
+    sl = None if seqlens is None else torch.tensor(seqlens, device=CUDA, dtype=torch.int32)
+    return q, k, v, do, sl
+
+
+def _gpu_oracle_errors(outputs, q, k, v, do, causal, seqlens):
+    """Max errors of ``outputs`` (o, lse, dq, dk, dv) and of plain PyTorch vs the float64 oracle, on the GPU.
+
+    Returns {name: (error, bound)} with SPEC.md's bound (2x plain PyTorch's error + one rounding unit for
+    fp16/bf16, fixed tolerance for fp32), both relative to max(1, max|ref|).
+    """
+    dtype = q.dtype
+    B, H = q.shape[:2]
+    Hkv = k.shape[1]
+    group = H // Hkv
+    got = dict(zip(NAMES, outputs, strict=True))
+    err = dict.fromkeys(NAMES, 0.0)
+    base_err = dict.fromkeys(NAMES, 0.0)
+    mag = dict.fromkeys(NAMES, 1.0)
+
+    def account(name, got_t, ref_t, base_t):
+        ref_t = ref_t.double()
+        if name == "lse":
+            no_key = torch.isneginf(ref_t)
+            assert torch.equal(torch.isneginf(got_t), no_key), "lse not -inf exactly on the empty rows"
+            got_t, ref_t, base_t = got_t[~no_key], ref_t[~no_key], base_t[~no_key]
+        if ref_t.numel() == 0:
+            return
+        assert not torch.isnan(got_t).any(), f"NaN in {name}"
+        err[name] = max(err[name], float((got_t.double() - ref_t).abs().max()))
+        base_err[name] = max(base_err[name], float((base_t.double() - ref_t).abs().max()))
+        mag[name] = max(mag[name], float(ref_t.abs().max()))
+
+    for b in range(B):
+        sl = None if seqlens is None else seqlens[b : b + 1]
+        for hkv in range(Hkv):
+            dk_ref = dv_ref = dk_base = dv_base = 0
+            for g in range(group):
+                h = hkv * group + g
+                args = [x[b : b + 1, i : i + 1] for x, i in ((q, h), (k, hkv), (v, hkv), (do, h))]
+                ref = oracle._explicit(*[a.double() for a in args], causal, None, sl, torch.float64)
+                base = oracle._explicit(*args, causal, None, sl, dtype) if dtype in oracle.LOW_PRECISION else ref
+                for name in ("o", "lse", "dq"):
+                    account(name, got[name][b : b + 1, h : h + 1], getattr(ref, name), getattr(base, name))
+                dk_ref, dv_ref = dk_ref + ref.dk, dv_ref + ref.dv
+                dk_base, dv_base = dk_base + base.dk.double(), dv_base + base.dv.double()
+                del ref, base
+            account("dk", got["dk"][b : b + 1, hkv : hkv + 1], dk_ref, dk_base)
+            account("dv", got["dv"][b : b + 1, hkv : hkv + 1], dv_ref, dv_base)
+    result = {}
+    for name in NAMES:
+        if dtype in oracle.LOW_PRECISION:
+            bound = 2.0 * base_err[name] + oracle.EPS[dtype] * mag[name]
+        else:
+            bound = oracle.FIXED_TOL[dtype][name] * mag[name]
+        result[name] = (err[name], bound)
+    return result
+
+
+def _run(backend, q, k, v, do, causal, sl):
+    o, lse = backend.forward(q, k, v, causal=causal, seqlens_k=sl)
+    dq, dk, dv = backend.backward(do, q, k, v, o, lse, causal=causal, seqlens_k=sl)
+    torch.cuda.synchronize()
+    return o, lse, dq, dk, dv
+
+
+LARGE = [
+    # (dtype, B, H, Hkv, Nq, Nk, D, causal, seqlens_k)
+    (torch.float16, 1, 2, 1, 16384, 16384, 128, True, None),
+    (torch.bfloat16, 1, 2, 2, 8192, 8192, 64, False, [8000]),
+    (torch.float16, 2, 2, 1, 3000, 4096, 256, True, [4096, 2500]),
+    (torch.float32, 1, 2, 1, 2048, 2048, 128, True, None),
+    (torch.bfloat16, 2, 4, 1, 4096, 4096, 128, True, [0, 3000]),
+    (torch.float16, 1, 3, 3, 1000, 1000, 80, False, None),
+]
+
+
+@pytest.mark.parametrize("name", TRITON)
+@pytest.mark.parametrize("case", LARGE, ids=lambda c: f"{str(c[0])[6:]}-N{c[4]}x{c[5]}-D{c[6]}-c{int(c[7])}")
+def test_large_against_gpu_float64_oracle(name, case):
+    dtype, B, H, Hkv, Nq, Nk, D, causal, seqlens = case
+    q, k, v, do, sl = _make(B, H, Hkv, Nq, Nk, D, dtype, seqlens, seed=Nq + D)
+    outputs = _run(attnzoo.get(name), q, k, v, do, causal, sl)
+    errors = _gpu_oracle_errors(outputs, q, k, v, do, causal, sl)
+    line = " ".join(f"{n}={e:.2e}/{b:.2e}" for n, (e, b) in errors.items())
+    print(f"\n[oracle] {name} {case[0]} N={Nq}x{Nk} D={D} causal={causal}: {line}")
+    for n, (e, b) in errors.items():
+        assert e <= b, f"{n}: error {e:.3e} > bound {b:.3e}"
+
+
+def _small_check(outputs, q, k, v, do, causal, sl):
+    ref = oracle.reference(q, k, v, do, causal=causal, seqlens_k=sl)
+    base = oracle.plain_torch(q, k, v, do, causal, None, sl) if q.dtype in oracle.LOW_PRECISION else None
+    for name, got in zip(NAMES, outputs, strict=True):
+        baseline = None if base is None else getattr(base, name)
+        check = oracle.check_output(name, got, getattr(ref, name), baseline, q.dtype)
+        assert check.ok, f"{name}: {check.message}"
+
+
+@pytest.mark.parametrize(
+    "dtype,D", [(torch.float16, 128), (torch.bfloat16, 64), (torch.float32, 64), (torch.bfloat16, 256)]
+)
+def test_every_candidate_config_is_correct(dtype, D):
+    """Every autotuning candidate of every kernel (those that fit) computes the right thing."""
+    q, k, v, do, sl = _make(2, 4, 2, 300, 333, D, dtype, [333, 100], seed=D)
+    problem = attnzoo.get("triton_2kernel")._validate(q, k, v, True, None, sl)
+    lists = {name: candidates(name, max(16, D), dtype, q.device) for name in CANDIDATES}
+    for i in range(max(len(c) for c in lists.values())):
+        forced = {name: configs[i % len(configs)] for name, configs in lists.items()}
+        ctx = make_context(q, k, v, problem, sl, forced_config=forced)
+        o, lse = attention_forward(ctx)
+        _small_check((o, lse, *attention_backward_2kernel(ctx, do, o, lse)), q, k, v, do, True, sl)
+        for delta in ("preprocess", "recompute"):
+            grads = attention_backward_atomic(ctx, do, o, lse, delta)
+            _small_check((o, lse, *grads), q, k, v, do, True, sl)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_two_kernel_backward_is_bitwise_deterministic(dtype):
+    q, k, v, do, sl = _make(2, 8, 2, 4096, 4096, 128, dtype, [4096, 3001], seed=1)
+    be = attnzoo.get("triton_2kernel")
+    o, lse = be.forward(q, k, v, causal=True, seqlens_k=sl)
+    first = be.backward(do, q, k, v, o, lse, causal=True, seqlens_k=sl)
+    for _ in range(3):
+        again = be.backward(do, q, k, v, o, lse, causal=True, seqlens_k=sl)
+        for a, b in zip(first, again, strict=True):
+            assert torch.equal(a, b)
+    o2, lse2 = be.forward(q, k, v, causal=True, seqlens_k=sl)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+
+
+@pytest.mark.parametrize("delta", ["preprocess", "recompute"])
+def test_atomic_run_to_run_difference_within_tolerance(delta):
+    """Atomic dK/dV sums in a varying order: report how far two runs differ; both must meet the oracle rule."""
+    dtype = torch.float16
+    q, k, v, do, _ = _make(1, 8, 2, 2048, 2048, 128, dtype, None, seed=2)
+    be = variant(delta)
+    runs = [_run(be, q, k, v, do, True, None) for _ in range(2)]
+    diffs = {n: float((a.double() - b.double()).abs().max()) for n, a, b in zip(NAMES, *runs, strict=True)}
+    print(f"\n[atomic {delta}] max |run1 - run2|: " + " ".join(f"{n}={d:.2e}" for n, d in diffs.items()))
+    assert diffs["o"] == 0.0 and diffs["lse"] == 0.0 and diffs["dq"] == 0.0  # no atomics in these
+    for outputs in runs:
+        errors = _gpu_oracle_errors(outputs, q, k, v, do, True, None)
+        for n, (e, b) in errors.items():
+            assert e <= b, f"{n}: error {e:.3e} > bound {b:.3e}"
+
+
+def test_more_than_2_31_elements():
+    """q, k, v of 2^31 + 2^19 elements each (fp16, 4.3 GB): batch offsets overflow int32; check a few batches."""
+    B, H, N, D = 4097, 4, 1024, 128
+    assert B * H * N * D > 2**31
+    dtype = torch.float16
+    q, k, v, do, _ = _make(B, H, H, N, N, D, dtype, None, seed=4)
+    for name in TRITON:
+        be = attnzoo.get(name)
+        o, lse = be.forward(q, k, v, causal=True)
+        dq, dk, dv = be.backward(do, q, k, v, o, lse, causal=True)
+        torch.cuda.synchronize()
+        for b in (0, B // 2, B - 1):
+            sl = slice(b, b + 1)
+            outputs = (o[sl], lse[sl], dq[sl], dk[sl], dv[sl])
+            _small_check(outputs, q[sl], k[sl], v[sl], do[sl], True, None)
+        del o, lse, dq, dk, dv
+        torch.cuda.empty_cache()
+
+
+def test_tf32_when_allowed():
+    """float32 is full IEEE by default and TF32 only when torch allows it (then visibly less exact)."""
+    q, k, v, do, _ = _make(1, 2, 2, 512, 512, 64, torch.float32, None, seed=6)
+    be = attnzoo.get("triton_2kernel")
+    ref = oracle.reference(q, k, v, do)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        ieee = float((be.forward(q, k, v)[0].cpu().double() - ref.o).abs().max())
+        torch.backends.cuda.matmul.allow_tf32 = True
+        tf32 = float((be.forward(q, k, v)[0].cpu().double() - ref.o).abs().max())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    print(f"\n[tf32] max error ieee {ieee:.2e}, tf32 {tf32:.2e}")
+    assert ieee < 2e-5 and 5 * ieee < tf32 < 1e-2
+
+
+@pytest.mark.parametrize("name", TRITON)
+def test_autotuned_results_are_correct(name, monkeypatch):
+    """A fresh autotuning key: the tuner runs every candidate (accumulating into the atomic buffers) first."""
+    monkeypatch.setenv("ATTNZOO_AUTOTUNE", "1")
+    q, k, v, do, sl = _make(2, 4, 1, 700, 900, 96, torch.float16, [900, 450], seed=8)
+    outputs = _run(attnzoo.get(name), q, k, v, do, True, sl)
+    _small_check(outputs, q, k, v, do, True, sl)
