@@ -67,10 +67,13 @@ class Case:
         return dict(causal=self.causal, scale=self.scale)
 
 
-SEQLENS = st.one_of(
-    st.sampled_from([1, 2, 3, 5, 7, 13, 16, 17, 31, 32, 33, 63, 64, 65, 97, 128, 129]), st.integers(1, 140)
-)
-HEAD_DIMS = st.one_of(st.sampled_from([8, 16, 32, 40, 64, 80, 96, 128, 256]), st.integers(1, 72))
+_EDGE_SEQLENS = (1, 2, 3, 5, 7, 13, 16, 17, 31, 32, 33, 63, 64, 65, 97, 128, 129)
+_EDGE_HEAD_DIMS = (8, 16, 32, 40, 64, 80, 96, 128, 256)
+
+
+def _sizes(edges: tuple[int, ...], largest: int) -> st.SearchStrategy[int]:
+    """Sizes up to ``largest``: often an edge (1, primes, around powers of two), otherwise any."""
+    return st.one_of(st.sampled_from([n for n in edges if n <= largest]), st.integers(1, largest))
 
 
 @st.composite
@@ -79,9 +82,9 @@ def cases(draw, dtypes=(F64, F32, F16, BF16), max_seqlen: int = 140, max_head_di
     kv_heads = draw(st.integers(1, 3))
     group = draw(st.sampled_from([1, 1, 2, 3]))
     batch = draw(st.integers(1, 3))
-    seqlen_q = draw(SEQLENS.filter(lambda n: n <= max_seqlen))
-    seqlen_k = draw(st.one_of(st.just(seqlen_q), SEQLENS.filter(lambda n: n <= max_seqlen)))
-    head_dim = draw(HEAD_DIMS.filter(lambda d: d <= max_head_dim))
+    seqlen_q = draw(_sizes(_EDGE_SEQLENS, max_seqlen))
+    seqlen_k = draw(st.one_of(st.just(seqlen_q), _sizes(_EDGE_SEQLENS, max_seqlen)))
+    head_dim = draw(_sizes(_EDGE_HEAD_DIMS, max_head_dim))
     seqlens = None
     if draw(st.booleans()):
         edge = st.sampled_from([0, seqlen_k, max(seqlen_k - 1, 0), 1])
