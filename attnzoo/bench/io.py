@@ -48,9 +48,11 @@ MEASURE_COLUMNS = [
     "arithmetic_intensity",
     "minimum_bytes",
     "standard_bytes",
+    "standard_fp32_bytes",
     "flash1_bytes",
     "flash2_bytes",
     "measured_over_standard",
+    "measured_over_standard_fp32",
     "measured_over_flash2",
     "copy_TBps",
     "matmul_TFLOPs",
@@ -198,7 +200,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
                 flops = flops_fn(args.B, args.H, N, args.D, causal)
                 row = {**machine, **ceilings, **result, "impl": impl, "pass": pass_, "dtype": args.dtype}
                 row.update(B=args.B, H=args.H, N=N, D=args.D, causal="yes" if causal else "no")
-                for key in ("minimum_bytes", "standard_bytes", "flash1_bytes", "flash2_bytes"):
+                for key in ("minimum_bytes", "standard_bytes", "standard_fp32_bytes", "flash1_bytes", "flash2_bytes"):
                     row[key] = theory[key]
                 if result["status"] == "ok":
                     total = result["dram_read_bytes"] + result["dram_write_bytes"]
@@ -210,6 +212,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
                         achieved_TFLOPs=flops / seconds / 1e12,
                         arithmetic_intensity=flops / total,
                         measured_over_standard=total / theory["standard_bytes"],
+                        measured_over_standard_fp32=total / theory["standard_fp32_bytes"],
                         measured_over_flash2=total / theory["flash2_bytes"],
                     )
                 rows.append(row)

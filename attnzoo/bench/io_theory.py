@@ -6,7 +6,9 @@ HBM (L2, 50 MB on an H100) is not modelled: these are the accesses the algorithm
 counters can only show as an upper bound once re-reads start hitting L2.
 
 * Standard attention (FlashAttention paper, Algorithm 0 and its backward, Dao et al. 2022, arXiv:2205.14135):
-  S and P are written to and read back from HBM: Theta(N^2 + N d) per head.
+  S and P are written to and read back from HBM: Theta(N^2 + N d) per head.  ``standard_fp32_bytes`` counts the
+  same accesses at 4 bytes an element: torch 2.11's SDPA math path computes fp16/bf16 inputs in float32 (its
+  kernels, as ncu lists them on the H100, are float32 GEMMs between casts), so that is its model.
 * FlashAttention (same paper, Algorithm 1, Theorem 2): Theta(N^2 d^2 / M) for an SRAM of M elements.  With
   column blocks ``Bc = ceil(M / 4d)`` and row blocks ``Br = min(Bc, d)``, K and V are read once and Q, O, l, m
   are read and O, l, m written once per column block: ``2Nd + Nd + 2N + Tc (3Nd + 4N)`` with ``Tc = N / Bc``,
@@ -104,6 +106,7 @@ class TheoryRow:
     block_n: int
     minimum_bytes: float
     standard_bytes: float
+    standard_fp32_bytes: float
     flash1_bytes: float
     flash2_bytes: float
     standard_over_flash1: float
@@ -126,6 +129,7 @@ THEORY_COLUMNS = [
     "block_n",
     "minimum_bytes",
     "standard_bytes",
+    "standard_fp32_bytes",
     "flash1_bytes",
     "flash2_bytes",
     "standard_over_flash1",
@@ -169,6 +173,7 @@ def theory_row(
         block_n,
         minimum * scale,
         standard * scale,
+        standard * heads * FP32_BYTES,
         flash1 * scale,
         flash2 * scale,
         standard / flash1,
