@@ -113,3 +113,42 @@ def online_softmax_update(
 def delta_rows(do5: Tensor, o5: Tensor, acc_dtype: torch.dtype) -> Tensor:
     """``Delta_i = rowsum(dO_i * O_i)``, equal to ``rowsum(dP_i * P_i)`` since ``O_i = P_i V``."""
     return (do5.to(acc_dtype) * o5.to(acc_dtype)).sum(dim=-1)
+
+
+def kv_stationary_backward(
+    tiles: TorchTiles,
+    q5: Tensor,
+    k5: Tensor,
+    v5: Tensor,
+    do5: Tensor,
+    lse5: Tensor,
+    delta5: Tensor,
+    dk: Tensor,
+    dv: Tensor,
+    dq_accumulator: Tensor | None = None,
+) -> None:
+    """Per K/V block ``j``, loop over Q blocks ``i``; write ``dK_j`` and ``dV_j`` (``[B, Hkv, Nk, D]``) once.
+
+    ``dV_j = sum_i P_ij^T dO_i`` and ``dK_j = scale * sum_i dS_ij^T Q_i``, summed over the query heads of
+    the group (axis 2).  With ``dq_accumulator`` (FA1, Algorithm 4) each visit also read-modify-writes
+    ``dQ_i += scale * dS_ij K_j`` in place; FA2 leaves dQ to a Q-stationary pass instead.
+    """
+    p = tiles.p
+    for n0 in range(0, p.seqlen_k, tiles.block_n):
+        cols = tiles.cols(n0)
+        k_tile, v_tile = tiles.load(k5, cols), tiles.load(v5, cols)
+        dk_tile = torch.zeros(k_tile.shape[:2] + k_tile.shape[3:], dtype=tiles.acc_dtype, device=k5.device)
+        dv_tile = torch.zeros_like(dk_tile)
+        for m0 in range(0, p.seqlen_q, tiles.block_m):
+            if tiles.skip(m0, n0):
+                continue
+            rows = tiles.rows(m0)
+            q_tile, do_tile = tiles.load(q5, rows), tiles.load(do5, rows)
+            prob = tiles.probabilities(tiles.scores(q_tile, k_tile, m0, n0), lse5[..., rows])
+            dv_tile += (prob.transpose(-1, -2) @ do_tile).sum(dim=2)
+            ds = tiles.grad_scores(prob, do_tile, v_tile, delta5[..., rows])
+            if dq_accumulator is not None:
+                dq_accumulator[..., rows, :] += (ds @ k_tile) * p.scale
+            dk_tile += (ds.transpose(-1, -2) @ q_tile).sum(dim=2) * p.scale
+        dk[:, :, cols] = dk_tile.to(dk.dtype)
+        dv[:, :, cols] = dv_tile.to(dv.dtype)

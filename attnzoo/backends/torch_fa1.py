@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..backend import Backend, Capabilities, new_output, register
-from ._torch_blocked import DTYPES, TorchTiles, delta_rows
+from ._torch_blocked import DTYPES, TorchTiles, delta_rows, kv_stationary_backward
 
 Tensor = torch.Tensor
 
@@ -64,30 +64,14 @@ def backward(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, tiles: TorchTiles
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``dq`` ``[B, H, Nq, D]`` and ``dk``, ``dv`` ``[B, Hkv, Nk, D]`` in the input dtype."""
-    p = tiles.p
     q5, k5, v5, do5 = tiles.q_view(q), tiles.kv_view(k), tiles.kv_view(v), tiles.q_view(do)
     lse5 = lse.reshape(q5.shape[:-1]).to(tiles.acc_dtype)
     delta5 = delta_rows(do5, tiles.q_view(o), tiles.acc_dtype)
     dq5 = torch.zeros(q5.shape, dtype=tiles.acc_dtype, device=q.device)  # updated in place, block by block
     dk = new_output(k.shape, k.dtype, k.device)
     dv = new_output(v.shape, v.dtype, v.device)
-    for n0 in range(0, p.seqlen_k, tiles.block_n):
-        cols = tiles.cols(n0)
-        k_tile, v_tile = tiles.load(k5, cols), tiles.load(v5, cols)
-        dk_tile = torch.zeros(k_tile.shape[:2] + k_tile.shape[3:], dtype=tiles.acc_dtype, device=q.device)
-        dv_tile = torch.zeros_like(dk_tile)
-        for m0 in range(0, p.seqlen_q, tiles.block_m):
-            if tiles.skip(m0, n0):
-                continue
-            rows = tiles.rows(m0)
-            q_tile, do_tile = tiles.load(q5, rows), tiles.load(do5, rows)
-            prob = tiles.probabilities(tiles.scores(q_tile, k_tile, m0, n0), lse5[..., rows])
-            dv_tile += (prob.transpose(-1, -2) @ do_tile).sum(dim=2)
-            ds = tiles.grad_scores(prob, do_tile, v_tile, delta5[..., rows])
-            dq5[..., rows, :] += (ds @ k_tile) * p.scale
-            dk_tile += (ds.transpose(-1, -2) @ q_tile).sum(dim=2) * p.scale
-        dk[:, :, cols] = dk_tile.to(k.dtype)
-        dv[:, :, cols] = dv_tile.to(v.dtype)
+    # Outer K/V, inner Q: dK_j, dV_j stay on chip, dQ_i goes back to memory after every K/V block.
+    kv_stationary_backward(tiles, q5, k5, v5, do5, lse5, delta5, dk, dv, dq_accumulator=dq5)
     return tiles.finish(dq5.to(q.dtype)), dk, dv
 
 

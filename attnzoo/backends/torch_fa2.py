@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..backend import Backend, Capabilities, new_output, register
-from ._torch_blocked import DTYPES, TorchTiles, delta_rows, online_softmax_update
+from ._torch_blocked import DTYPES, TorchTiles, delta_rows, kv_stationary_backward, online_softmax_update
 
 Tensor = torch.Tensor
 
@@ -58,24 +58,8 @@ def backward(
     dk = new_output(k.shape, k.dtype, k.device)
     dv = new_output(v.shape, v.dtype, v.device)
 
-    # Pass 1, K/V stationary: dV_j = sum_i P_ij^T dO_i and dK_j = scale * sum_i dS_ij^T Q_i, summed over the
-    # query heads of the group (axis 2).
-    for n0 in range(0, p.seqlen_k, tiles.block_n):
-        cols = tiles.cols(n0)
-        k_tile, v_tile = tiles.load(k5, cols), tiles.load(v5, cols)
-        dk_tile = torch.zeros(k_tile.shape[:2] + k_tile.shape[3:], dtype=tiles.acc_dtype, device=q.device)
-        dv_tile = torch.zeros_like(dk_tile)
-        for m0 in range(0, p.seqlen_q, tiles.block_m):
-            if tiles.skip(m0, n0):
-                continue
-            rows = tiles.rows(m0)
-            q_tile, do_tile = tiles.load(q5, rows), tiles.load(do5, rows)
-            prob = tiles.probabilities(tiles.scores(q_tile, k_tile, m0, n0), lse5[..., rows])
-            dv_tile += (prob.transpose(-1, -2) @ do_tile).sum(dim=2)
-            ds = tiles.grad_scores(prob, do_tile, v_tile, delta5[..., rows])
-            dk_tile += (ds.transpose(-1, -2) @ q_tile).sum(dim=2) * p.scale
-        dk[:, :, cols] = dk_tile.to(k.dtype)
-        dv[:, :, cols] = dv_tile.to(v.dtype)
+    # Pass 1, K/V stationary: dK and dV.
+    kv_stationary_backward(tiles, q5, k5, v5, do5, lse5, delta5, dk, dv)
 
     # Pass 2, Q stationary: dQ_i = scale * sum_j dS_ij K_j.
     for m0 in range(0, p.seqlen_q, tiles.block_m):
