@@ -32,12 +32,14 @@ def _driver_version() -> str:
         return ""
 
 
-def machine_info() -> dict[str, str]:
+def machine_info(device: torch.device | None = None) -> dict[str, str]:
     """``gpu_name``, ``gpu_sm`` (e.g. "9.0"), ``driver``, ``torch_version``, ``triton_version``.
 
-    Without CUDA the "GPU" is the CPU: its name is the processor description and sm/driver are empty.
+    Without CUDA (or for ``device`` cpu) the "GPU" is the CPU: its name is the processor description and
+    sm/driver are empty.
     """
-    if torch.cuda.is_available():
+    on_gpu = torch.cuda.is_available() if device is None else device.type == "cuda"
+    if on_gpu:
         major, minor = torch.cuda.get_device_capability()
         name, sm, driver = torch.cuda.get_device_name(), f"{major}.{minor}", _driver_version()
     else:

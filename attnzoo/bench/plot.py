@@ -115,7 +115,8 @@ def _figure_line(plt, rows, impls, colors, title, panels):
         _lines(ax, rows, impls, colors, mode, column)
         _line_axes(ax, ylabel, log_y)
         ax.set_title(subtitle, fontsize=10)
-    axes[0][0].legend(fontsize=8)
+    if axes[0][0].get_legend_handles_labels()[0]:
+        axes[0][0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig

@@ -96,10 +96,22 @@ def _seq_lengths(text: str) -> list[int]:
     return out
 
 
+def _wants_cuda(argv: list[str]) -> bool:
+    """Whether the run goes to the GPU: ``--device`` if given, else whether CUDA is available."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--device"):
+            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            return value == "cuda"
+    return torch.cuda.is_available()
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    cuda = torch.cuda.is_available()
+    cuda = _wants_cuda(argv)
     defaults = GPU_DEFAULTS if cuda else CPU_DEFAULTS
     p = argparse.ArgumentParser(prog="python -m attnzoo bench", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--device", default="cuda" if cuda else "cpu", choices=["cpu", "cuda"], help="default: cuda when available"
+    )
     p.add_argument("--mode", default="fwd,train", help="fwd, train, or both (comma list accepted)")
     p.add_argument("--dtype", default=defaults["dtype"], help="comma list of fp16, bf16, fp32, fp64")
     p.add_argument("--causal", default="both", choices=["yes", "no", "both"])
@@ -142,8 +154,10 @@ def build_grid(args: argparse.Namespace) -> list[Case]:
             raise SystemExit(f"--dtype {name!r} unknown; use {', '.join(DTYPE_NAMES.values())}")
         dtypes.append(DTYPES[name])
     causals = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
-    cuda = torch.cuda.is_available()
-    names = impl_registry.default_impls(cuda) if args.impl == "all" else [n for n in args.impl.split(",") if n]
+    if args.impl == "all":
+        names = impl_registry.default_impls(args.device == "cuda")
+    else:
+        names = [n for n in args.impl.split(",") if n]
     for name in names:
         impl_registry.get_impl(name)  # unknown names fail here, before any case runs
     cases = []
@@ -273,7 +287,7 @@ def run_grid(cases: list[Case], args, device: torch.device, out: Path | None = N
     ``--time-budget-s`` is spent are written as skipped.  With ``out``, each row is appended to the CSV as soon as
     it is measured (the file is rewritten with the speedups at the end), so that a killed run keeps its rows.
     """
-    machine = machine_info()
+    machine = machine_info(device)
     progress = Progress(len(cases), enabled=not args.quiet)
     too_slow: dict[tuple, int] = {}  # (dtype, mode, impl, D, causal) -> the N where it was too slow
     start = time.perf_counter()
@@ -301,10 +315,10 @@ def run_grid(cases: list[Case], args, device: torch.device, out: Path | None = N
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(args.device)
     cases = build_grid(args)
     start = time.perf_counter()
-    out = Path(args.out or f"bench/results/{machine_tag(machine_info()['gpu_name'])}_bench.csv")
+    out = Path(args.out or f"bench/results/{machine_tag(machine_info(device)['gpu_name'])}_bench.csv")
     rows = run_grid(cases, args, device, out)
     write_csv(out, rows)
     counts: dict[str, int] = {}
