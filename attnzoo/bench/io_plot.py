@@ -112,3 +112,48 @@ def plot_io(csv_path: Path, out_dir: Path, prefix: str | None = None, dpi: int =
     plt.close(fig)
     written.append(path)
     return written
+
+
+def io_markdown(rows: list[dict], csv_name: str, prefix: str) -> str:
+    """Markdown: measured DRAM bytes per (impl, pass, N) beside the modelled ones, and the figures."""
+    r0 = rows[0]
+    head = [
+        "impl", "pass", "N", "kernels", "DRAM read + write (MB)", "minimum", "standard fp16", "standard fp32",
+        "FA1 Alg. 1", "FA2 order, no cache", "measured / standard", "TB/s", "TFLOP/s",
+    ]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
+
+    def mb(x):
+        return "-" if x is None else f"{x / 1e6:,.0f}"
+
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['impl']} | {r['pass']} | {int(r['N'])} | {r['status']} |" + " |" * (len(head) - 4))
+            continue
+        fp32 = r["impl"] == "sdpa_math" and r.get("standard_fp32_bytes") is not None  # SDPA math computes in fp32
+        std = r["standard_fp32_bytes"] if fp32 else r["standard_bytes"]
+        cells = [
+            r["impl"], r["pass"], str(int(r["N"])), str(int(r["kernels"])),
+            f"{mb(r['dram_read_bytes'])} + {mb(r['dram_write_bytes'])}", mb(r["minimum_bytes"]),
+            mb(r["standard_bytes"]), mb(r.get("standard_fp32_bytes")), mb(r["flash1_bytes"]), mb(r["flash2_bytes"]),
+            f"{r['dram_bytes'] / std:.3g}" + (" (fp32)" if fp32 else ""),
+            f"{r['achieved_TBps']:.2f}", f"{r['achieved_TFLOPs']:.0f}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(
+        [
+            "## HBM traffic: measured against IO complexity",
+            "",
+            f"DRAM bytes read + written, summed over the kernels of one call, from Nsight Compute "
+            f"(`ncu --clock-control none --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum`, "
+            f"caches flushed before each kernel) with `python -m attnzoo io measure` ({csv_name}); "
+            f"{r0['dtype']}, D={int(r0['D'])}, B={int(r0['B'])}, H={int(r0['H'])}, non-causal. "
+            "Modelled columns from `attnzoo/bench/io_theory.py` (MB). Ceilings measured in the same run: "
+            f"copy {r0['copy_TBps']:.2f} TB/s, bf16 matmul {r0['matmul_TFLOPs']:.0f} TFLOP/s.",
+            "",
+            *lines,
+            "",
+            f"![roofline]({prefix}_roofline.png) ![bytes vs theory]({prefix}_io_bytes.png)",
+            "",
+        ]
+    )

@@ -305,34 +305,39 @@ def readme_section(rows: list[dict], Ns: list[int], prefix: str, csv_name: str) 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m attnzoo plot", description=__doc__.split("\n\n")[0])
-    p.add_argument("csv", help="a CSV written by python -m attnzoo bench")
+    p.add_argument("csv", nargs="+", help="CSVs written by python -m attnzoo bench (rows are concatenated)")
     p.add_argument("--out-dir", default=None, help="where the PNGs go (default: the CSV's folder)")
     p.add_argument("--prefix", default=None, help="file-name prefix (default: the machine tag, e.g. h100)")
     p.add_argument("--dpi", type=int, default=90)
     p.add_argument("--readme", action="store_true", help="print the markdown performance section, draw nothing")
     p.add_argument("--readme-out", default=None, help="write the markdown section to this file (draws nothing)")
     p.add_argument("--readme-N", default="2048,16384", help="sequence lengths of the README table")
+    p.add_argument("--io-csv", default=None, help="with --readme: append the DRAM-bytes table of an io measure CSV")
     return p.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    csv_path = Path(args.csv)
-    rows = read_csv(csv_path)
+    csv_paths = [Path(p) for p in args.csv]
+    rows = [row for path in csv_paths for row in read_csv(path)]
     if not rows:
-        print(f"{csv_path} has no rows", file=sys.stderr)
+        print(f"{', '.join(args.csv)} has no rows", file=sys.stderr)
         return 1
     fill_missing_speedups(rows)
     prefix = args.prefix or machine_tag(rows[0]["gpu_name"])
     if args.readme or args.readme_out:
         Ns = [int(n) for n in args.readme_N.split(",") if n]
-        text = readme_section(rows, Ns, prefix, csv_path.name)
+        text = readme_section(rows, Ns, prefix, ", ".join(p.name for p in csv_paths))
+        if args.io_csv:
+            from .io_plot import io_markdown, read_measure_csv
+
+            text += "\n" + io_markdown(read_measure_csv(Path(args.io_csv)), Path(args.io_csv).name, prefix)
         if args.readme_out:
             Path(args.readme_out).write_text(text)
         else:
             print(text)
         return 0
-    out_dir = Path(args.out_dir) if args.out_dir else csv_path.parent
+    out_dir = Path(args.out_dir) if args.out_dir else csv_paths[0].parent
     written = write_figures(rows, out_dir, prefix, args.dpi)
     print(f"wrote {len(written)} figures to {out_dir}", file=sys.stderr)
     return 0
