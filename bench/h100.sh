@@ -18,8 +18,8 @@ grid)
         --out "$OUT/h100_bench_$dtype.csv" 2>&1 | tee "$OUT/h100_bench_$dtype.log" | grep -v '^\[' ;;
 io)
     python -m attnzoo io theory --N 512,1k,2k,4k,8k,16k --D 64,128 --B 1 --H "${H:-8}" --out "$OUT/h100_io_theory.csv"
-    python -m attnzoo io measure --impl "${IO_IMPLS:-triton_2kernel,sdpa_flash,sdpa_math}" --N "${IO_N:-1k,4k,16k}" \
-        --D 128 --B 1 --H "${H:-8}" --dtype fp16 --timeout-s 200 --out "$OUT/h100_io_ncu.csv" 2>&1 | tee "$OUT/h100_io.log" ;;
+    python -m attnzoo io measure --impl "${IO_IMPLS:-triton_2kernel,sdpa_math,sdpa_flash}" --N "${IO_N:-1k,4k,16k}" \
+        --D 128 --B 1 --H "${H:-8}" --dtype fp16 --timeout-s 200 --time-budget-s 480 --out "$OUT/h100_io_ncu.csv" 2>&1 | tee "$OUT/h100_io.log" ;;
 *)
     echo "usage: bash bench/h100.sh grid fp16|bf16 | io" >&2; exit 2 ;;
 esac

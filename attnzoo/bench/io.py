@@ -190,11 +190,15 @@ def cmd_measure(args: argparse.Namespace) -> int:
     elem_bytes = 4 if args.dtype in ("fp32", "float32") else 2
     causal = args.causal == "yes"
     rows = []
+    begin = time.perf_counter()
     for impl in args.impl.split(","):
         for N in _ints(args.N):
             for pass_ in args.pass_.split(","):
                 start = time.perf_counter()
-                result = measure_one(args, impl, N, pass_, ncu)
+                if args.time_budget_s and start - begin > args.time_budget_s:
+                    result = {"status": f"skipped: not run, --time-budget-s {args.time_budget_s:g} spent"}
+                else:
+                    result = measure_one(args, impl, N, pass_, ncu)
                 theory = theory_row(pass_, N, args.D, args.B, args.H, elem_bytes, args.sram_bytes).as_row()
                 flops_fn = forward_flops if pass_ == "fwd" else backward_flops
                 flops = flops_fn(args.B, args.H, N, args.D, causal)
@@ -266,6 +270,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     measure.add_argument("--sram-bytes", type=int, default=H100_SRAM_BYTES)
     measure.add_argument("--ncu", default=None, help="path of ncu (default: from PATH)")
     measure.add_argument("--timeout-s", type=int, default=300, help="limit for one ncu process")
+    measure.add_argument("--time-budget-s", type=float, default=0, help="start no profile after this (0: no limit)")
     measure.add_argument("--out", default="io_ncu.csv")
     measure.add_argument("--keep-logs", default=None, help="folder for ncu's raw output, one file per profile")
 
