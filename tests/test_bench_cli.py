@@ -181,6 +181,17 @@ def test_plot_draws_the_six_kinds_per_group_and_the_readme_table(tiny_csv, tmp_p
     assert "sdpa_flash fwd/bwd" in text and "skipped" in text  # cuDNN's cells say why they are empty
 
 
+def test_readme_block_is_regenerated_between_its_markers(tmp_path):
+    path = tmp_path / "README.md"
+    path.write_text("# Benchmarks\n\nintro\n")
+    plot.write_generated_block(path, "table v1")
+    path.write_text(path.read_text() + "\nhand-written closing note\n")
+    plot.write_generated_block(path, "table v2")
+    text = path.read_text()
+    assert text.startswith("# Benchmarks\n\nintro\n") and text.endswith("hand-written closing note\n")
+    assert "table v2" in text and "table v1" not in text
+
+
 # -- io: theory ------------------------------------------------------------------------------------------------------
 def test_standard_attention_moves_theta_N2_plus_Nd():
     N, d = 4096, 64
