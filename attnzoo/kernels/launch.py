@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from ..backend import new_output, triton_interpreter_active
 from .tuning import AUTOTUNER, INTERPRETER_CONFIG, KernelConfig, candidates, seqlen_bucket
@@ -110,6 +111,21 @@ class LaunchContext:
             )
             configs = candidates(kernel.split(":")[0], self.block_d, q.dtype, q.device)
             cfg = AUTOTUNER.choose(key, configs, launch, reset)
+            # The shared-memory estimate is rough: if the chosen config does not fit after all, take the next.
+            for fallback in [cfg] + [c for c in configs if c != cfg]:
+                try:
+                    if reset is not None:
+                        reset()
+                    launch(fallback)
+                except OutOfResources:
+                    continue
+                cfg = AUTOTUNER.best[key] = fallback
+                break
+            else:
+                raise RuntimeError(f"no launch configuration of {kernel} fits this device; tried {configs}")
+            self.configs[kernel] = cfg
+            self._running = None
+            return cfg
         if reset is not None:
             reset()
         launch(cfg)
