@@ -99,10 +99,11 @@ def main(argv: list[str] | None = None) -> int:
                         )  # fmt: skip
                         rows.append(row)
                         print(row, flush=True)
-    with open(args.out, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+                        with open(args.out, "a" if len(rows) > 1 else "w", newline="") as fh:  # survive a kill
+                            writer = csv.DictWriter(fh, fieldnames=list(row))
+                            if len(rows) == 1:
+                                writer.writeheader()
+                            writer.writerow(row)
     # Short table last: TFLOP/s fwd/bwd per shape and implementation.
     print("\n" + "dtype D N causal | " + " | ".join(f"{i} fwd/bwd" for i in impls))
     shapes = sorted({(r["dtype"], r["D"], r["N"], r["causal"]) for r in rows})
