@@ -8,7 +8,7 @@ set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/attnzoo_out}
 mkdir -p "$OUT"
-IMPLS=triton_2kernel,triton_atomic,triton_atomic_recompute,sdpa_flash,sdpa_cudnn,sdpa_efficient,sdpa_math,flex_attention
+IMPLS=${IMPLS:-triton_2kernel,triton_atomic,triton_atomic_recompute,sdpa_flash,sdpa_cudnn,sdpa_efficient,sdpa_math,flex_attention}
 case "$1" in
 grid)
     dtype=${2:-fp16}
@@ -19,7 +19,7 @@ grid)
 io)
     python -m attnzoo io theory --N 512,1k,2k,4k,8k,16k --D 64,128 --B 1 --H "${H:-8}" --out "$OUT/h100_io_theory.csv"
     python -m attnzoo io measure --impl "${IO_IMPLS:-triton_2kernel,sdpa_math,sdpa_flash}" --N "${IO_N:-1k,4k,16k}" \
-        --D 128 --B 1 --H "${H:-8}" --dtype fp16 --timeout-s 200 --time-budget-s 480 --out "$OUT/h100_io_ncu.csv" 2>&1 | tee "$OUT/h100_io.log" ;;
+        --D 128 --B 1 --H "${H:-8}" --dtype fp16 --timeout-s 200 --time-budget-s "${IO_BUDGET:-480}" --out "$OUT/h100_io_ncu.csv" 2>&1 | tee "$OUT/h100_io.log" ;;
 *)
     echo "usage: bash bench/h100.sh grid fp16|bf16 | io" >&2; exit 2 ;;
 esac
