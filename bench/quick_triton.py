@@ -54,6 +54,42 @@ def sdpa_timings(kind, q, k, v, do, causal):
     return fwd, bwd
 
 
+def overhead_report(impl: str, fn, calls: int = 50) -> str:
+    """Eager do_bench median vs CUDA-graph replay median (no host work), and host issue time per call."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host_us = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    eager = bench(fn)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    replay = bench(graph.replay)
+    return f"{impl}: eager {eager:.3f} ms, graph replay {replay:.3f} ms, host issue {host_us:.0f} us/call"
+
+
+def print_overhead(be, q, k, v, do, causal: bool, D: int, N: int) -> None:
+    """Host overhead of the forward and backward of ``be``, and the autotuner's timings for this shape."""
+    from attnzoo.kernels.tuning import AUTOTUNER
+
+    print(overhead_report("fwd", lambda: be.forward(q, k, v, causal=causal)))
+    o, lse = be.forward(q, k, v, causal=causal)
+    print(overhead_report("bwd", lambda: be.backward(do, q, k, v, o, lse, causal=causal)))
+    for key, timings in AUTOTUNER.timings.items():
+        if key[1] == D and key[3] == causal and key[5] == triton.next_power_of_2(N):
+            ranked = sorted(timings.items(), key=lambda x: x[1])
+            cells = ", ".join(f"{c.block_m}x{c.block_n}w{c.num_warps}s{c.num_stages}:{t:.3f}" for c, t in ranked)
+            print(f"  tuned {key[0]}: {cells}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="quick_triton.csv")
@@ -62,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--impls", default="triton_2kernel,atomic_pre,atomic_rec,sdpa_flash,sdpa_cudnn")
+    ap.add_argument("--overhead", action="store_true", help="also: eager vs CUDA-graph forward, host time, tuning")
     args = ap.parse_args(argv)
     impls = args.impls.split(",")
     attn = {
@@ -99,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                         )  # fmt: skip
                         rows.append(row)
                         print(row, flush=True)
+                        if args.overhead and impl == "triton_2kernel":
+                            print_overhead(attn[impl], q, k, v, do, causal, D, N)
                         with open(args.out, "a" if len(rows) > 1 else "w", newline="") as fh:  # survive a kill
                             writer = csv.DictWriter(fh, fieldnames=list(row))
                             if len(rows) == 1:

@@ -14,6 +14,17 @@ from triton.runtime.errors import OutOfResources
 from ..backend import new_output, triton_interpreter_active
 from .tuning import AUTOTUNER, INTERPRETER_CONFIG, KernelConfig, candidates, seqlen_bucket
 
+_placeholders: dict[torch.device, torch.Tensor] = {}
+
+
+def _placeholder(device: torch.device) -> torch.Tensor:
+    """A small int32 buffer passed for pointer arguments a launch never reads or writes (cached per device:
+    a fresh allocation per call would cost a fill kernel and host time)."""
+    buf = _placeholders.get(device)
+    if buf is None:
+        buf = _placeholders[device] = torch.zeros(2, dtype=torch.int32, device=device)
+    return buf
+
 
 def grid_1d(programs: int) -> tuple[int]:
     """A 1-d grid: programs are laid out flat so that B*H may exceed the 65535 limit of grid axes 1 and 2."""
@@ -58,8 +69,8 @@ class LaunchContext:
         if self.has_seqlens:
             self.seqlens = self.seqlens_k.to(device=device, dtype=torch.int32).contiguous()
         else:
-            self.seqlens = torch.zeros(1, dtype=torch.int32, device=device)  # never read
-        self._dummy_counts = torch.zeros(2, dtype=torch.int32, device=device)  # never written
+            self.seqlens = _placeholder(device)  # never read
+        self._dummy_counts = _placeholder(device)  # never written
         self._running: str | None = None
 
     def new_output(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -12,6 +12,7 @@ Under the Triton interpreter every kernel uses one small fixed config (16 x 16) 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,16 +84,21 @@ def shared_memory_estimate(kernel: str, cfg: KernelConfig, block_d: int, itemsiz
     return itemsize * (block_d * (2 * m + 2 * n * s) + 2 * m * n)
 
 
-def _shared_memory_limit(device: torch.device) -> int:
-    props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
+@functools.cache
+def _shared_memory_limit_of(index: int) -> int:
+    props = triton.runtime.driver.active.utils.get_device_properties(index)
     return int(props["max_shared_mem"])
+
+
+def _shared_memory_limit(device: torch.device) -> int:
+    return _shared_memory_limit_of(device.index or 0)
 
 
 def candidates(kernel: str, block_d: int, dtype: torch.dtype, device: torch.device) -> list[KernelConfig]:
     """The configs of ``kernel`` that fit the device's shared memory (at least the smallest one)."""
     configs = CANDIDATES[kernel]
     limit = _shared_memory_limit(device)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     fitting = [c for c in configs if shared_memory_estimate(kernel, c, block_d, itemsize) <= limit]
     if fitting:
         return fitting
