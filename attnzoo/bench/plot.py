@@ -275,8 +275,9 @@ def readme_table(rows: list[dict], Ns: list[int], impls: list[str]) -> str:
             if ratio_impl:
                 train = index.get((dtype, D, causal, N, "train", ratio_impl))
                 ok = train is not None and train["status"] == STATUS_OK
-                cells.append(f"{_fmt(train['speedup_vs_sdpa_flash'], 2)}x" if ok else "-")
-                cells.append(f"{_fmt(train['speedup_vs_sdpa_cudnn'], 2)}x" if ok else "-")
+                for column in ("speedup_vs_sdpa_flash", "speedup_vs_sdpa_cudnn"):
+                    value = train[column] if ok else None
+                    cells.append("-" if value is None else f"{value:.2f}x")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
