@@ -90,7 +90,7 @@ def _series(rows: list[dict], mode: str, impl: str, column: str) -> tuple[list[i
 
 def _line_axes(ax, ylabel: str, log_y: bool = True) -> None:
     ax.set_xscale("log", base=2)
-    Ns = sorted({int(x) for line in ax.get_lines() for x in line.get_xdata()})
+    Ns = sorted({int(x) for line in ax.get_lines() for x in line.get_xdata() if x >= 2})  # data lines, not axhline
     if Ns:
         ax.set_xticks(Ns, [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in Ns])
         ax.xaxis.set_minor_locator(_pyplot().NullLocator())
@@ -152,8 +152,8 @@ def _figure_speedup(plt, rows, impls, colors, title):
     ):
         _lines(ax, rows, impls, colors, "train", column, "-o")
         _lines(ax, rows, impls, colors, "fwd", column, "--")
-        ax.axhline(1.0, color="black", linewidth=0.8)
         _line_axes(ax, f"speedup vs {ref} (time ratio)")
+        ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_title(f"vs {ref}; solid: train (fwd+bwd), dashed: forward", fontsize=10)
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
@@ -206,8 +206,8 @@ def figure_speedup_summary(rows: list[dict], impls: list[str], colors: dict):
                 xs, ys = _series(group, "train", impl, column)
                 label = f"{impl} vs {column.removeprefix('speedup_vs_')}"
                 ax.plot(xs, ys, style, color=colors[impl], markersize=3, label=label)
-        ax.axhline(1.0, color="black", linewidth=0.8)
         _line_axes(ax, "speedup (train)", log_y=False)
+        ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_title(f"{dtype}, D={D}, {'causal' if causal else 'non-causal'}", fontsize=9)
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8)
