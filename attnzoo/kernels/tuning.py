@@ -46,13 +46,14 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         KernelConfig(64, 32, 4, 2),
     ],
     # K/V-stationary dK/dV: BLOCK_N keys resident, BLOCK_M query rows streamed.
+    # Order: measured fastest first at fp16 D=128 N=2048 on the H100 (docs/NOTES-kernels.md).
     "dkdv": [
-        KernelConfig(64, 128, 8, 3),
+        KernelConfig(32, 64, 4, 3),
         KernelConfig(32, 128, 8, 3),
         KernelConfig(64, 128, 8, 2),
-        KernelConfig(64, 64, 4, 3),
-        KernelConfig(32, 64, 4, 3),
+        KernelConfig(64, 128, 8, 3),
         KernelConfig(16, 64, 4, 2),
+        KernelConfig(64, 64, 4, 3),
     ],
     # Q-stationary dQ: BLOCK_M query rows resident, BLOCK_N keys streamed.
     "dq": [
