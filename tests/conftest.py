@@ -26,7 +26,7 @@ _common = dict(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
 # ci: bounded for a 2-core machine without a GPU (Triton runs in the interpreter).
-settings.register_profile("ci", max_examples=50, **_common)
+settings.register_profile("ci", max_examples=100, **_common)
 # dev: the default on a workstation.
 settings.register_profile("dev", max_examples=40, **_common)
 # gpu: more and larger examples, for `pytest -m gpu --hypothesis-profile=gpu` on the device.
