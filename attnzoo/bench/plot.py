@@ -155,7 +155,8 @@ def _figure_speedup(plt, rows, impls, colors, title):
         _line_axes(ax, f"speedup vs {ref} (time ratio)")
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_title(f"vs {ref}; solid: train (fwd+bwd), dashed: forward", fontsize=10)
-    axes[0].legend(fontsize=8)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
@@ -224,6 +225,8 @@ def write_figures(rows: list[dict], out_dir: Path, prefix: str, dpi: int = 90) -
     colors = _colors(impls)
     written = []
     for key, group in _groups(rows).items():
+        if not _ok(group):  # a group that did not run at all (cut by --time-budget-s, say) gets no figures
+            continue
         dtype, D, causal = key
         for kind, fig in figures_for_group(key, group, impls, colors).items():
             path = out_dir / f"{prefix}_{kind}_{dtype}_d{D}_{'causal' if causal else 'full'}.png"
@@ -244,15 +247,16 @@ def _fmt(value: float | None, digits: int = 0) -> str:
 
 
 def _pair(row_fwd: dict | None, row_train: dict | None) -> str:
-    """ "fwd/bwd" TFLOP/s as in SPEC.md's anchor table; the status word where a case did not run."""
+    """ "fwd/bwd" TFLOP/s as in SPEC.md's anchor table; a side that did not run shows its status word (oom, ...)."""
+
+    def side(row: dict | None, column: str) -> str:
+        if row is None:
+            return "-"
+        return _fmt(row[column]) if row["status"] == STATUS_OK else status_kind(row["status"])
+
     if row_fwd is None and row_train is None:
         return "-"
-    fwd = row_fwd["tflops_fwd"] if row_fwd and row_fwd["status"] == STATUS_OK else None
-    bwd = row_train["tflops_bwd"] if row_train and row_train["status"] == STATUS_OK else None
-    if fwd is None and bwd is None:
-        row = row_fwd or row_train
-        return status_kind(row["status"])
-    return f"{_fmt(fwd)}/{_fmt(bwd)}"
+    return f"{side(row_fwd, 'tflops_fwd')}/{side(row_train, 'tflops_bwd')}"
 
 
 def readme_table(rows: list[dict], Ns: list[int], impls: list[str]) -> str:
@@ -262,12 +266,13 @@ def readme_table(rows: list[dict], Ns: list[int], impls: list[str]) -> str:
     head = ["dtype, D, causal", "N", *[f"{i} fwd/bwd" for i in present]]
     ratio_impl = next((i for i in OURS if i in present), None)
     if ratio_impl:
-        head += [f"{ratio_impl} train time vs flash", "vs cuDNN"]
+        head += [f"{ratio_impl} train speedup vs flash", "vs cuDNN"]
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
     for dtype, D, causal in _groups(rows):
         for N in Ns:
-            if not any((dtype, D, causal, N, "fwd", i) in index for i in present):
-                continue
+            cases = [index.get((dtype, D, causal, N, m, i)) for m in ("fwd", "train") for i in present]
+            if not any(r is not None and r["status"] == STATUS_OK for r in cases):
+                continue  # nothing of this row ran (e.g. cut by --time-budget-s): no row of dashes
             cells = [f"{dtype}, {D}, {'yes' if causal else 'no'}", str(N)]
             for impl in present:
                 fwd, train = (index.get((dtype, D, causal, N, mode, impl)) for mode in ("fwd", "train"))
