@@ -194,7 +194,8 @@ def figures_for_group(key: tuple, rows: list[dict], impls: list[str], colors: di
 def figure_speedup_summary(rows: list[dict], impls: list[str], colors: dict):
     """One page: train speedup vs SDPA flash (solid) and cuDNN (dotted) of our Triton impls, per group."""
     plt = _pyplot()
-    groups = _groups(_ok(rows))
+    with_speedups = [r for r in _ok(rows) if r["mode"] == "train" and r["speedup_vs_sdpa_flash"] is not None]
+    groups = _groups(with_speedups)
     ours = [i for i in impls if i in OURS] or [i for i in impls if i not in REFERENCES]
     cols = min(4, max(len(groups), 1))
     nrows = (len(groups) + cols - 1) // cols
