@@ -114,8 +114,9 @@ def plot_io(csv_path: Path, out_dir: Path, prefix: str | None = None, dpi: int =
     return written
 
 
-def io_markdown(rows: list[dict], csv_name: str, prefix: str) -> str:
-    """Markdown: measured DRAM bytes per (impl, pass, N) beside the modelled ones, and the figures."""
+def io_markdown(rows: list[dict], csv_name: str, figure_prefix: str) -> str:
+    """Markdown: measured DRAM bytes per (impl, pass, N) beside the modelled ones, and the figures
+    (``figure_prefix``: their path prefix relative to the markdown file, e.g. ``results/h100``)."""
     r0 = rows[0]
     head = [
         "impl", "pass", "N", "kernels", "DRAM read + write (MB)", "minimum", "standard fp16", "standard fp32",
@@ -153,7 +154,7 @@ def io_markdown(rows: list[dict], csv_name: str, prefix: str) -> str:
             "",
             *lines,
             "",
-            f"![roofline]({prefix}_roofline.png) ![bytes vs theory]({prefix}_io_bytes.png)",
+            f"![roofline]({figure_prefix}_roofline.png) ![bytes vs theory]({figure_prefix}_io_bytes.png)",
             "",
         ]
     )

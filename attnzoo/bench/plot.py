@@ -11,6 +11,7 @@ matplotlib is imported lazily with the Agg backend (the ``plot`` extra), so that
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -288,8 +289,9 @@ def readme_table(rows: list[dict], Ns: list[int], impls: list[str]) -> str:
     return "\n".join(lines)
 
 
-def readme_section(rows: list[dict], Ns: list[int], prefix: str, csv_name: str) -> str:
-    """The markdown performance section: caption, how it was counted, the table, the speedup figure."""
+def readme_section(rows: list[dict], Ns: list[int], figure: str, csv_name: str) -> str:
+    """The markdown performance section: caption, how it was counted, the table, the speedup figure (``figure``:
+    its path relative to the markdown file)."""
     impls = [i for i in (*OURS, *REFERENCES, "sdpa_efficient", "sdpa_math") if any(r["impl"] == i for r in rows)]
     r = rows[0]
     return "\n".join(
@@ -304,7 +306,7 @@ def readme_section(rows: list[dict], Ns: list[int], prefix: str, csv_name: str) 
             "",
             readme_table(rows, Ns, impls),
             "",
-            f"![train speedup over SDPA]({prefix}_speedup_summary.png)",
+            f"![train speedup over SDPA]({figure})",
             "",
         ]
     )
@@ -349,19 +351,23 @@ def main(argv: list[str]) -> int:
         return 1
     fill_missing_speedups(rows)
     prefix = args.prefix or machine_tag(rows[0]["gpu_name"])
+    out_dir = Path(args.out_dir) if args.out_dir else csv_paths[0].parent
     if args.readme or args.readme_out:
         Ns = [int(n) for n in args.readme_N.split(",") if n]
-        text = readme_section(rows, Ns, prefix, ", ".join(p.name for p in csv_paths))
+        # Links in the markdown are relative to the file it goes into (bench/README.md or the top-level README).
+        markdown_dir = Path(args.readme_out).resolve().parent if args.readme_out else out_dir.resolve()
+        figure = os.path.relpath(out_dir.resolve() / f"{prefix}_speedup_summary.png", markdown_dir)
+        text = readme_section(rows, Ns, figure, ", ".join(p.name for p in csv_paths))
         if args.io_csv:
             from .io_plot import io_markdown, read_measure_csv
 
-            text += "\n" + io_markdown(read_measure_csv(Path(args.io_csv)), Path(args.io_csv).name, prefix)
+            figure_prefix = os.path.relpath(out_dir.resolve() / prefix, markdown_dir)
+            text += "\n" + io_markdown(read_measure_csv(Path(args.io_csv)), Path(args.io_csv).name, figure_prefix)
         if args.readme_out:
             write_generated_block(Path(args.readme_out), text)
         else:
             print(text)
         return 0
-    out_dir = Path(args.out_dir) if args.out_dir else csv_paths[0].parent
     written = write_figures(rows, out_dir, prefix, args.dpi)
     print(f"wrote {len(written)} figures to {out_dir}", file=sys.stderr)
     return 0
