@@ -6,14 +6,17 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .backend import Backend, get, names
-from .validation import validate_forward
+from .validation import Problem, validate_forward
 
 Tensor = torch.Tensor
 
 
 def pick_backend(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, seqlens_k) -> Backend:
     """The preferred backend (lowest ``auto_rank`` on the device type) that supports these inputs."""
-    problem = validate_forward(q, k, v, causal, scale, seqlens_k)
+    return _pick(validate_forward(q, k, v, causal, scale, seqlens_k))
+
+
+def _pick(problem: Problem) -> Backend:
     candidates = []
     for name in names():
         backend = get(name)
@@ -61,9 +64,9 @@ def attention(
     Returns o: ``[B, H, Nq, D]`` in the dtype of q.  ``causal`` is aligned to the bottom-right corner.
     ``backend`` is a registered name, a :class:`Backend`, or ``"auto"``.
     """
-    if isinstance(backend, str):
-        backend = pick_backend(q, k, v, causal, scale, seqlens_k) if backend == "auto" else get(backend)
-    elif not isinstance(backend, Backend):
+    if not isinstance(backend, (str, Backend)):
         raise TypeError(f"backend must be a backend name, a Backend or 'auto', got {type(backend).__name__}")
-    validate_forward(q, k, v, causal, scale, seqlens_k)  # torch tensors only, before any kernel
+    problem = validate_forward(q, k, v, causal, scale, seqlens_k)  # torch tensors only, before any kernel
+    if isinstance(backend, str):
+        backend = _pick(problem) if backend == "auto" else get(backend)
     return _Attention.apply(q, k, v, causal, scale, seqlens_k, backend)
