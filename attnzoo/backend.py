@@ -7,11 +7,13 @@ property tests all read that one declaration.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from .validation import Problem, validate_backward, validate_forward
@@ -78,8 +80,6 @@ class Backend:
         """Why this backend cannot run ``problem`` ([] when it can)."""
         caps = self.capabilities
         reasons = []
-        if problem.is_numpy and not caps.accepts_numpy:
-            reasons.append("takes torch tensors, not numpy arrays")
         if problem.device not in caps.devices:
             reasons.append(f"device {problem.device} not supported (supports {', '.join(sorted(caps.devices))})")
         if problem.dtype not in caps.dtypes:
@@ -100,19 +100,26 @@ class Backend:
         scale: float | None = None,
         seqlens_k: Any = None,
     ) -> list[str]:
-        """Validate the inputs and return why this backend cannot run them ([] when it can)."""
-        return self.reasons_for(self._validate(q, k, v, causal, scale, seqlens_k))
+        """Validate the inputs and return why this backend cannot run them ([] when it can).
+
+        Bad input, a head dim above the backend's limit included, raises as in ``forward``.
+        """
+        problem = self._validate(q, k, v, causal, scale, seqlens_k)
+        self._check_head_dim(problem)
+        return self.reasons_for(problem)
 
     def _validate(self, q, k, v, causal, scale, seqlens_k) -> Problem:
         return validate_forward(q, k, v, causal, scale, seqlens_k, allow_numpy=self.capabilities.accepts_numpy)
 
-    def _check(self, problem: Problem) -> None:
-        caps = self.capabilities
-        if caps.max_head_dim is not None and problem.head_dim > caps.max_head_dim:
+    def _check_head_dim(self, problem: Problem) -> None:
+        limit = self.capabilities.max_head_dim
+        if limit is not None and problem.head_dim > limit:
             raise ValueError(
-                f"q has head dim D={problem.head_dim}, above the limit of backend {self.name!r} "
-                f"(D <= {caps.max_head_dim})"
+                f"q has head dim D={problem.head_dim}, above the limit of backend {self.name!r} (D <= {limit})"
             )
+
+    def _check(self, problem: Problem) -> None:
+        self._check_head_dim(problem)
         reasons = self.reasons_for(problem)
         if reasons:
             raise NotImplementedError(f"backend {self.name!r} does not support this input: " + "; ".join(reasons))
@@ -134,7 +141,10 @@ class Backend:
         """
         problem = self._validate(q, k, v, causal, scale, seqlens_k)
         self._check(problem)
-        return self._forward(q, k, v, problem, seqlens_k)
+        if _is_empty(problem):
+            return _empty_forward(q, problem)
+        with _on_device(problem):
+            return self._forward(q, k, v, problem, seqlens_k)
 
     def backward(
         self,
@@ -156,7 +166,10 @@ class Backend:
         problem = self._validate(q, k, v, causal, scale, seqlens_k)
         validate_backward(problem, do, o, lse)
         self._check(problem)
-        return self._backward(do, q, k, v, o, lse, problem, seqlens_k)
+        if _is_empty(problem):
+            return _empty_backward(q, k, v)
+        with _on_device(problem):
+            return self._backward(do, q, k, v, o, lse, problem, seqlens_k)
 
     def _forward(self, q, k, v, problem: Problem, seqlens_k) -> tuple[Any, Any]:
         raise NotImplementedError
@@ -166,6 +179,34 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<attnzoo backend {self.name}>"
+
+
+def _is_empty(problem: Problem) -> bool:
+    """No query row at all (B, H or Nq is 0): nothing to compute, and no kernel is launched."""
+    return problem.batch * problem.heads * problem.seqlen_q == 0
+
+
+def _empty_forward(q, problem: Problem):
+    """``o`` of the shape of q and ``lse`` ``[B, H, 0 or Nq]``, both empty."""
+    shape = (problem.batch, problem.heads, problem.seqlen_q)
+    if isinstance(q, np.ndarray):
+        return np.zeros(q.shape, q.dtype), np.zeros(shape, np.float32)
+    return q.new_zeros(q.shape), torch.zeros(shape, dtype=torch.float32, device=q.device)
+
+
+def _empty_backward(q, k, v):
+    """``dq`` empty; ``dk``, ``dv`` zero: keys that no query reads get no gradient."""
+    if isinstance(q, np.ndarray):
+        return np.zeros(q.shape, q.dtype), np.zeros(k.shape, k.dtype), np.zeros(v.shape, v.dtype)
+    return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+
+
+def _on_device(problem: Problem) -> contextlib.AbstractContextManager:
+    """Make the inputs' GPU the current one, so that kernels launch where the tensors are (cuda:1 with cuda:0
+    current, say); nothing on the CPU."""
+    if problem.device == "cuda":
+        return torch.cuda.device(torch.device(problem.device_name))
+    return contextlib.nullcontext()
 
 
 _REGISTRY: dict[str, Backend] = {}

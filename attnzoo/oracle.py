@@ -53,69 +53,85 @@ def _as_torch(x) -> Tensor:
     return torch.from_numpy(np.asarray(x)) if isinstance(x, np.ndarray) else x
 
 
-def _explicit(q, k, v, do, causal, scale, seqlens_k, compute_dtype) -> Result:
-    B, H, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    group = H // Hkv
-    if scale is None:
-        scale = D**-0.5
-    # Grouped-query attention: query head h reads K/V head h // group.
-    k_full = k.to(compute_dtype).repeat_interleave(group, dim=1)
-    v_full = v.to(compute_dtype).repeat_interleave(group, dim=1)
-    q = q.to(compute_dtype)
-    seqlens = None if seqlens_k is None else _as_torch(seqlens_k).cpu()
-    mask = visible_mask(B, Nq, Nk, causal, seqlens, q.device)
-    s = (q @ k_full.transpose(-1, -2)) * scale
-    s = s.masked_fill(~mask, float("-inf"))
-    # lse is float32 in the contract; the row max is subtracted in float64 first so that the
-    # softmax below is exact.  A row with no visible key has lse = -inf and P = 0.
-    lse = torch.logsumexp(s.double(), dim=-1)
-    has_key = torch.isfinite(lse)
-    p = torch.where(has_key[..., None], torch.exp(s.double() - lse[..., None].where(has_key[..., None], 0)), 0.0)
-    p = p.to(compute_dtype)
-    o = p @ v_full
-    result = Result(o=o, lse=lse.float())
-    if do is not None:
-        do = do.to(compute_dtype)
-        dv_full = p.transpose(-1, -2) @ do
-        dp = do @ v_full.transpose(-1, -2)
-        delta = (dp.double() * p.double()).sum(-1, keepdim=True)
-        ds = (p.double() * (dp.double() - delta)).to(compute_dtype)
-        dq = (ds @ k_full) * scale
-        dk_full = (ds.transpose(-1, -2) @ q) * scale
-        result.dq = dq
-        result.dk = dk_full.view(B, Hkv, group, Nk, D).sum(2)
-        result.dv = dv_full.view(B, Hkv, group, Nk, D).sum(2)
-    return result
-
-
-def reference(q, k, v, do=None, causal: bool = False, scale: float | None = None, seqlens_k=None) -> Result:
+def reference(
+    q, k, v, do=None, causal: bool = False, scale: float | None = None, seqlens_k=None, stored_dtype=None
+) -> Result:
     """Exact attention in float64 on the CPU (the judge).  Accepts torch tensors or numpy arrays.
 
     q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nk, D]``; do (optional): ``[B, H, Nq, D]``.
     Returns float64 CPU tensors (lse float32 as in the contract, computed in float64).
+
+    ``stored_dtype``: compute the backward's ``Delta = rowsum(dO * O)`` from ``dO`` and ``O`` rounded to this
+    dtype and summed in float32, as every backend does (the contract hands the backward the forward's ``o`` in
+    the input dtype), instead of the exact ``rowsum(dP * P)``; the difference is the error this step brings.
     """
     q, k, v = (_as_torch(x).detach().cpu().double() for x in (q, k, v))
-    do = None if do is None else _as_torch(do).detach().cpu().double()
-    return _explicit(q, k, v, do, causal, scale, seqlens_k, torch.float64)
+    B, H, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    group = H // Hkv
+    scale = D**-0.5 if scale is None else scale
+    # Grouped-query attention: query head h reads K/V head h // group.
+    k_full, v_full = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    seqlens = None if seqlens_k is None else _as_torch(seqlens_k).cpu()
+    mask = visible_mask(B, Nq, Nk, causal, seqlens)
+    s = ((q @ k_full.transpose(-1, -2)) * scale).masked_fill(~mask, float("-inf"))
+    # A row with no visible key has lse = -inf and P = 0.
+    lse = torch.logsumexp(s, dim=-1)
+    has_key = torch.isfinite(lse)[..., None]
+    p = torch.where(has_key, torch.exp(s - lse[..., None].where(has_key, 0.0)), 0.0)
+    o = p @ v_full
+    result = Result(o=o, lse=lse.float())
+    if do is not None:
+        do = _as_torch(do).detach().cpu().double()
+        dv_full = p.transpose(-1, -2) @ do
+        dp = do @ v_full.transpose(-1, -2)
+        if stored_dtype is None:
+            delta = (dp * p).sum(-1, keepdim=True)
+        else:  # what a backend can do: dO and O as stored, summed in float32 (float64 for float64 inputs)
+            acc = torch.float64 if stored_dtype == torch.float64 else torch.float32
+            stored_o, stored_do = o.to(stored_dtype).to(acc), do.to(stored_dtype).to(acc)
+            delta = (stored_do * stored_o).sum(-1, keepdim=True).double()
+        ds = p * (dp - delta)
+        result.dq = (ds @ k_full) * scale
+        result.dk = ((ds.transpose(-1, -2) @ q) * scale).view(B, Hkv, group, Nk, D).sum(2)
+        result.dv = dv_full.view(B, Hkv, group, Nk, D).sum(2)
+    return result
 
 
 def plain_torch(q, k, v, do=None, causal: bool = False, scale: float | None = None, seqlens_k=None) -> Result:
-    """The same formulas with every matrix product in the inputs' dtype and on their device.
+    """Textbook attention as plain PyTorch runs it in the inputs' dtype, on their device: matrix products and
+    softmax in that dtype (PyTorch accumulates them in float32 and rounds the result), gradients by autograd.
 
-    This is the error baseline of SPEC.md's rule for float16 and bfloat16: a backend may be at most
-    twice as far from :func:`reference` as this is, plus a small slack.
+    This is the error baseline of SPEC.md's rule for float16 and bfloat16: a backend may be at most twice as
+    far from :func:`reference` as this is, plus a small slack.
     """
-    q, k, v = (_as_torch(x).detach() for x in (q, k, v))
-    do = None if do is None else _as_torch(do).detach()
-    return _explicit(q, k, v, do, causal, scale, seqlens_k, q.dtype)
+    q, k, v = (_as_torch(x).detach().requires_grad_() for x in (q, k, v))
+    B, H, Nq, D = q.shape
+    group = H // k.shape[1]
+    scale = D**-0.5 if scale is None else scale
+    seqlens = None if seqlens_k is None else _as_torch(seqlens_k).to(q.device)
+    mask = visible_mask(B, Nq, k.shape[2], causal, seqlens, q.device)
+    with torch.enable_grad():
+        k_full, v_full = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        s = (q @ k_full.transpose(-1, -2)) * scale
+        has_key = mask.any(dim=-1, keepdim=True)
+        # softmax over a row with no visible key would be 0/0: such rows get P = 0, as in the contract.
+        s = s.masked_fill(~mask, float("-inf")).masked_fill(~has_key, 0.0)
+        p = torch.softmax(s, dim=-1) * has_key
+        o = p @ v_full
+    lse = torch.logsumexp(s.detach().float(), dim=-1).masked_fill(~has_key[..., 0], float("-inf"))
+    result = Result(o=o.detach(), lse=lse)
+    if do is not None:
+        result.dq, result.dk, result.dv = torch.autograd.grad(o, (q, k, v), _as_torch(do).to(o.dtype))
+    return result
 
 
 # -- SPEC.md's error rule -------------------------------------------------------------------------------------
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
-# Rounding unit of each dtype: the absolute slack of the low-precision rule (relative to the reference's
-# largest magnitude, at least 1).
+# Rounding unit of each dtype.  The slack of the low-precision rule is one unit relative to the reference's
+# largest magnitude (at least 1): the rounding of the stored output alone can cost half a unit where the
+# baseline happened to round luckily.  lse is float32 in every dtype, so its slack is float32's.
 EPS = {torch.float64: 2.0**-52, torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 # Fixed tolerances for float32 and float64, relative to the same magnitude.  float32: sums of up to a few
 # hundred products.  float64: the backward reads the float32 lse of the contract, so P = exp(S - lse)
@@ -143,17 +159,22 @@ class Check:
         return self.error / self.bound if self.bound else 0.0
 
 
-def error_bound(name: str, ref: Tensor, baseline: Tensor | None, dtype: torch.dtype) -> float:
+def error_bound(
+    name: str, ref: Tensor, baseline: Tensor | None, dtype: torch.dtype, contract_error: float = 0.0
+) -> float:
     """SPEC.md's rule.  float16/bfloat16: twice the max error of :func:`plain_torch` (``baseline``) plus one
-    rounding unit; float32/float64: a fixed tolerance.  Both relative to ``max(1, max|ref|)``."""
+    rounding unit of the stored output, plus twice ``contract_error``: how far the exact gradients move when Delta is
+    computed from the stored ``o`` (see :func:`reference`'s ``stored_dtype``); float32/float64: a fixed
+    tolerance plus twice ``contract_error``.  Tolerances and slack are relative to ``max(1, max|ref|)``."""
     magnitude = max(1.0, float(ref.abs().max())) if ref.numel() else 1.0
     if dtype in LOW_PRECISION:
         base_err = float((baseline.double().cpu() - ref).abs().max()) if ref.numel() else 0.0
-        return 2.0 * base_err + EPS[dtype] * magnitude
-    return FIXED_TOL[dtype][name] * magnitude
+        stored = torch.float32 if name == "lse" else dtype
+        return 2.0 * base_err + EPS[stored] * magnitude + 2.0 * contract_error
+    return FIXED_TOL[dtype][name] * magnitude + 2.0 * contract_error
 
 
-def check_output(name: str, got, ref: Tensor, baseline, dtype: torch.dtype) -> Check:
+def check_output(name: str, got, ref: Tensor, baseline, dtype: torch.dtype, contract_error: float = 0.0) -> Check:
     """Compare output ``name`` ("o", "lse", "dq", "dk" or "dv") of a backend with the oracle's ``ref``.
 
     ``baseline`` is :func:`plain_torch`'s same output (needed for float16/bfloat16).  NaN anywhere fails;
@@ -173,6 +194,24 @@ def check_output(name: str, got, ref: Tensor, baseline, dtype: torch.dtype) -> C
         ref, got = ref[~no_key], got[~no_key]
         baseline = None if baseline is None else baseline[~no_key]
     error = float((got - ref).abs().max()) if ref.numel() else 0.0
-    bound = error_bound(name, ref, baseline, dtype)
+    bound = error_bound(name, ref, baseline, dtype, contract_error)
     message = "" if error <= bound else f"max error {error:.3e} > bound {bound:.3e}"
     return Check(error, bound, message)
+
+
+def contract_errors(q, k, v, do, exact: Result, causal: bool = False, scale=None, seqlens_k=None) -> dict[str, float]:
+    """Per gradient, the max change of the exact result when Delta comes from the stored ``o`` (see
+    :func:`reference`'s ``stored_dtype``).
+
+    Any backend that follows the contract (forward returns ``o`` in the input dtype, backward receives it) carries
+    this error in dq and dk.  It can exceed plain PyTorch's own error when dS = P (dP - Delta) is small against
+    dP, e.g. with few keys per row, where it is pure cancellation.  Not needed for float64.
+    """
+    dtype = _as_torch(q).dtype
+    if dtype == torch.float64:
+        return {}
+    stored = reference(q, k, v, do, causal, scale, seqlens_k, stored_dtype=dtype)
+    return {
+        name: float((getattr(stored, name) - getattr(exact, name)).abs().max()) if exact.dq.numel() else 0.0
+        for name in ("dq", "dk")
+    }

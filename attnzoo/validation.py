@@ -15,6 +15,16 @@ import numpy as np
 import torch
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_TORCH_INT_DTYPES = (
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+)
 _NUMPY_FLOAT_DTYPES = (np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16))
 
 
@@ -33,11 +43,12 @@ class Problem:
     seqlen_k: int
     head_dim: int
     dtype: torch.dtype
-    device: str  # "cpu" or "cuda"
+    device: str  # the device type: "cpu" or "cuda"
     causal: bool
     scale: float
     has_seqlens_k: bool
     is_numpy: bool
+    device_name: str = "cpu"  # the full device, e.g. "cuda:1"
 
     @property
     def group_size(self) -> int:
@@ -65,6 +76,8 @@ def _torch_dtype_of(name: str, x: Any) -> torch.dtype:
 
 def _check_array(name: str, x: Any, allow_numpy: bool) -> None:
     if isinstance(x, torch.Tensor):
+        if x.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}")
         return
     if isinstance(x, np.ndarray):
         if allow_numpy:
@@ -139,8 +152,14 @@ def validate_forward(
         scale = 1.0 / math.sqrt(D)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__} {scale!r}")
-    elif not math.isfinite(float(scale)):
-        raise ValueError(f"scale must be finite, got {scale!r}")
+    else:
+        try:
+            value = float(scale)
+        except OverflowError:
+            value = math.inf
+        # Kernels multiply in float32: a scale beyond its range would turn every score into inf/NaN.
+        if not math.isfinite(value) or abs(value) > float(np.finfo(np.float32).max):
+            raise ValueError(f"scale must be finite in float32, got {scale!r}")
     if seqlens_k is not None:
         _validate_seqlens_k(seqlens_k, B, Nk, q, is_numpy)
     return Problem(
@@ -156,6 +175,7 @@ def validate_forward(
         scale=float(scale),
         has_seqlens_k=seqlens_k is not None,
         is_numpy=is_numpy,
+        device_name=_device_of(q),
     )
 
 
@@ -165,8 +185,11 @@ def _validate_seqlens_k(seqlens_k: Any, B: int, Nk: int, q: Any, is_numpy: bool)
             raise TypeError(f"seqlens_k must have an integer dtype, got numpy {seqlens_k.dtype}")
         values = seqlens_k
     elif isinstance(seqlens_k, torch.Tensor):
-        if seqlens_k.dtype.is_floating_point or seqlens_k.dtype.is_complex or seqlens_k.dtype == torch.bool:
-            raise TypeError(f"seqlens_k must have an integer dtype (e.g. torch.int32), got {seqlens_k.dtype}")
+        if seqlens_k.dtype not in _TORCH_INT_DTYPES or seqlens_k.layout != torch.strided:
+            raise TypeError(
+                f"seqlens_k must be a dense tensor of an integer dtype (e.g. torch.int32), got {seqlens_k.dtype} "
+                f"({seqlens_k.layout})"
+            )
         if not is_numpy and seqlens_k.device != q.device:
             raise ValueError(f"seqlens_k must be on the device of q ({q.device}), got {seqlens_k.device}")
         values = seqlens_k
@@ -176,6 +199,7 @@ def _validate_seqlens_k(seqlens_k: Any, B: int, Nk: int, q: Any, is_numpy: bool)
     if tuple(values.shape) != (B,):
         raise ValueError(f"seqlens_k must have shape [B] = [{B}], got {tuple(values.shape)}")
     if B > 0:
+        values = values.to(torch.int64) if isinstance(values, torch.Tensor) else values.astype(np.int64)
         low, high = int(values.min()), int(values.max())
         if low < 0 or high > Nk:
             raise ValueError(f"seqlens_k values must lie in [0, Nk] = [0, {Nk}], got min {low} and max {high}")
@@ -193,8 +217,8 @@ def validate_backward(problem: Problem, do: Any, o: Any, lse: Any) -> None:
             raise ValueError(f"{name} must have the shape of q, {list(expected_q)}, got {list(x.shape)}")
         if _torch_dtype_of(name, x) != problem.dtype:
             raise TypeError(f"{name} must have the dtype of q ({problem.dtype}), got {x.dtype}")
-        if _device_type(x) != problem.device:
-            raise ValueError(f"{name} must be on the device of q ({problem.device}), got {_device_of(x)}")
+        if _device_of(x) != problem.device_name:
+            raise ValueError(f"{name} must be on the device of q ({problem.device_name}), got {_device_of(x)}")
     _check_array("lse", lse, allow_numpy)
     expected_lse = (problem.batch, problem.heads, problem.seqlen_q)
     if tuple(lse.shape) != expected_lse:
@@ -202,5 +226,5 @@ def validate_backward(problem: Problem, do: Any, o: Any, lse: Any) -> None:
     lse_ok = lse.dtype == (np.float32 if isinstance(lse, np.ndarray) else torch.float32)
     if not lse_ok:
         raise TypeError(f"lse must be float32, got {lse.dtype}")
-    if _device_type(lse) != problem.device:
-        raise ValueError(f"lse must be on the device of q ({problem.device}), got {_device_of(lse)}")
+    if _device_of(lse) != problem.device_name:
+        raise ValueError(f"lse must be on the device of q ({problem.device_name}), got {_device_of(lse)}")

@@ -47,6 +47,17 @@ FORWARD_CASES = [
     ("seqlens_k above Nk", ValueError, "seqlens_k", lambda q, k, v: dict(seqlens_k=torch.tensor([1, NK + 1]))),
     ("seqlens_k negative", ValueError, "seqlens_k", lambda q, k, v: dict(seqlens_k=torch.tensor([-1, 2]))),
     ("seqlens_k a list", TypeError, "seqlens_k", lambda q, k, v: dict(seqlens_k=[1, 2])),
+    ("seqlens_k of bool dtype", TypeError, "seqlens_k", lambda q, k, v: dict(seqlens_k=torch.tensor([True, True]))),
+    (
+        "seqlens_k on another device",
+        ValueError,
+        "seqlens_k",
+        lambda q, k, v: dict(seqlens_k=torch.ones(2, dtype=torch.int32, device="meta")),
+    ),
+    ("sparse q", TypeError, "q", lambda q, k, v: dict(q=q.to_sparse())),
+    ("scale beyond float", ValueError, "scale", lambda q, k, v: dict(scale=10**400)),
+    ("scale beyond float32", ValueError, "scale", lambda q, k, v: dict(scale=1e39)),
+    ("scale is a bool", TypeError, "scale", lambda q, k, v: dict(scale=True)),
 ]
 
 
@@ -95,6 +106,9 @@ BACKWARD_CASES = [
     ("lse of wrong shape", ValueError, "lse", lambda do, o, lse: dict(lse=lse[..., None])),
     ("lse of wrong dtype", TypeError, "lse", lambda do, o, lse: dict(lse=lse.double())),
     ("do on another device", ValueError, "do", lambda do, o, lse: dict(do=do.to("meta"))),
+    ("lse on another device", ValueError, "lse", lambda do, o, lse: dict(lse=lse.to("meta"))),
+    ("o of wrong shape", ValueError, "o", lambda do, o, lse: dict(o=o[:1])),
+    ("lse a numpy array", TypeError, "lse", lambda do, o, lse: dict(lse=lse.numpy())),
 ]
 
 
@@ -115,8 +129,11 @@ def test_head_dim_above_the_declared_limit_is_a_value_error(name, no_kernel):
     if limit is None:
         pytest.skip(f"{name} declares no head-dim limit")
     q = torch.randn(1, 1, 4, limit + 8)
+    for call in (attnzoo.get(name).forward, attnzoo.get(name).not_supported_reasons):
+        with pytest.raises(ValueError, match=f"D={limit + 8}"):
+            call(q, q, q)
     with pytest.raises(ValueError, match=f"D={limit + 8}"):
-        attnzoo.get(name).forward(q, q, q)
+        attnzoo.attention(q, q, q, backend=name)
 
 
 @pytest.mark.parametrize("name", attnzoo.names())
@@ -160,3 +177,12 @@ def test_numpy_inputs_are_checked_too():
         attnzoo.get("numpy_ref").forward(q.astype(np.int64), k, v)
     with pytest.raises(ValueError, match="rank"):
         attnzoo.get("numpy_ref").forward(q[0], k, v)
+
+
+def test_unsigned_seqlens_k_are_accepted():
+    q, k, v = good()
+    lens = torch.tensor([NK, 2])
+    o_ref, _ = attnzoo.get("torch_fa2").forward(q, k, v, seqlens_k=lens)
+    for dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
+        o, _ = attnzoo.get("torch_fa2").forward(q, k, v, seqlens_k=lens.to(dtype))
+        assert torch.equal(o, o_ref)

@@ -243,3 +243,21 @@ def test_autotuned_results_are_correct(name, monkeypatch):
     q, k, v, do, sl = _make(2, 4, 1, 700, 900, 96, torch.float16, [900, 450], seed=8)
     outputs = _run(attnzoo.get(name), q, k, v, do, True, sl)
     _small_check(outputs, q, k, v, do, True, sl)
+
+
+@pytest.mark.parametrize("name", TRITON)
+def test_view_with_a_row_stride_past_int32_tiles(name):
+    """A [B, H, N, D] view of [N, B*H*D] memory with a 17M-element row stride: 128-row tiles would need in-tile
+    offsets past 2^31, so the host copies the view first; the result must match the contiguous input's."""
+    stride = 17_000_000
+    storage = torch.randn(256 * stride, device="cuda", dtype=torch.float16)
+    q = storage.as_strided((1, 1, 256, 64), (0, 0, stride, 1))
+    k, v, do = (torch.randn(1, 1, 256, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    backend = attnzoo.get(name)
+    o, lse = backend.forward(q, k, v, causal=True)
+    o_ref, lse_ref = backend.forward(q.contiguous(), k, v, causal=True)
+    torch.testing.assert_close(o, o_ref, atol=0, rtol=0)
+    torch.testing.assert_close(lse, lse_ref, atol=0, rtol=0)
+    dq, _, _ = backend.backward(do, q, k, v, o, lse, causal=True)
+    dq_ref, _, _ = backend.backward(do, q.contiguous(), k, v, o_ref, lse_ref, causal=True)
+    torch.testing.assert_close(dq, dq_ref, atol=1e-3, rtol=1e-3)

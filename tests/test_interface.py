@@ -117,3 +117,22 @@ def test_numpy_ref_never_holds_an_n_by_n_array():
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < 4 * 2**20, f"peak {peak / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("name", attnzoo.names())
+@pytest.mark.parametrize(
+    "q_shape, kv_shape",
+    [((0, 2, 5, 16), (0, 1, 5, 16)), ((2, 2, 0, 16), (2, 1, 7, 16)), ((2, 2, 3, 16), (2, 1, 0, 16))],
+    ids=["no-batch", "no-query", "no-key"],
+)
+def test_empty_sizes_give_empty_or_fully_masked_results(name, q_shape, kv_shape):
+    """As SDPA: no batch or no query gives empty outputs; no key makes every row fully masked."""
+    backend = attnzoo.get(name)
+    q, k, v = torch.randn(q_shape), torch.randn(kv_shape), torch.randn(kv_shape)
+    if backend.not_supported_reasons(q, k, v):
+        pytest.skip("not supported here")
+    o, lse = backend.forward(q, k, v, causal=True)
+    dq, dk, dv = backend.backward(torch.randn_like(q), q, k, v, o, lse, causal=True)
+    assert o.shape == q.shape and lse.shape == q.shape[:3] and dq.shape == q.shape and dk.shape == k.shape
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
+    assert torch.equal(dq, torch.zeros_like(dq)) and torch.equal(dk, torch.zeros_like(dk)) and dv.abs().sum() == 0

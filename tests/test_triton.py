@@ -17,7 +17,7 @@ from attnzoo import debug, oracle
 from attnzoo.backends import triton_2kernel as t2k_module
 from attnzoo.backends.triton_atomic import TritonAtomic, variant
 from attnzoo.kernels import tuning
-from attnzoo.kernels.launch import LaunchContext
+from attnzoo.kernels.launch import LaunchContext, int32_addressable
 from attnzoo.kernels.tuning import Autotuner, KernelConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -242,3 +242,30 @@ def test_candidates_pruned_by_shared_memory(monkeypatch):
     assert len(fitting) < len(tuning.CANDIDATES["forward"])
     monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 1)
     assert len(tuning.candidates("dkdv", 256, torch.float32, torch.device("cpu"))) == 1
+
+
+@pytest.mark.parametrize("name", ["triton_2kernel", "triton_atomic"])
+def test_views_with_a_huge_row_stride_are_addressed_correctly(name):
+    """In-tile offsets are int32: a view whose row stride times the tile height passes 2^31 is copied to
+    contiguous memory before the launch, and the result is right (the GPU test reads such rows for real)."""
+    backend = attnzoo.get(name)
+    stride = 150_000_000
+    storage = torch.randn(stride + 16, dtype=torch.float16)
+    q = storage.as_strided((1, 1, 2, 16), (0, 0, stride, 1))
+    k, v, do = (torch.randn(1, 1, 3, 16, dtype=torch.float16) for _ in range(3))
+    if backend.not_supported_reasons(q, k, v):
+        pytest.skip("needs the interpreter or a GPU")
+    o, lse = backend.forward(q, k, v)
+    dq, dk, dv = backend.backward(do[:, :, :2], q, k, v, o, lse)
+    ref = oracle.reference(q, k, v, do[:, :, :2])
+    for got, want in ((o, ref.o), (dq, ref.dq), (dk, ref.dk), (dv, ref.dv)):
+        torch.testing.assert_close(got.double(), want, atol=5e-3, rtol=5e-3)
+
+
+def test_only_views_that_could_wrap_int32_are_copied():
+    rows_major = torch.randn(64, 3, 4, 16).permute(1, 2, 0, 3)  # [N, B, H, D] memory as [B, H, N, D]
+    assert int32_addressable(rows_major) is rows_major
+    storage = torch.empty(20_000_000 + 16, dtype=torch.float16)
+    wide = storage.as_strided((1, 1, 2, 16), (0, 0, 20_000_000, 1))  # 128 rows x 20M > 2^31
+    copied = int32_addressable(wide)
+    assert copied is not wide and copied.is_contiguous() and torch.equal(copied, wide)

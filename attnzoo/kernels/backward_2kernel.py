@@ -34,7 +34,7 @@ from .common import (
     store_tile,
     tile_pointers,
 )
-from .launch import LaunchContext, grid_1d
+from .launch import LaunchContext, grid_1d, int32_addressable
 from .tuning import INTERPRETER_CONFIG
 
 PREPROCESS_BLOCK_M = 64
@@ -462,6 +462,7 @@ def attention_backward_2kernel(
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     lse = lse.contiguous()
+    do, o = int32_addressable(do), int32_addressable(o)
     delta = compute_delta(ctx, o, do)
     dq = ctx.new_output((B, H, Nq, D), q.dtype)
     dk = ctx.new_output((B, Hkv, Nk, D), q.dtype)

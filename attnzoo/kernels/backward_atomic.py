@@ -33,7 +33,7 @@ from .common import (
     store_tile,
     tile_pointers,
 )
-from .launch import LaunchContext, grid_1d
+from .launch import LaunchContext, grid_1d, int32_addressable
 
 DELTA_MODES = ("recompute", "preprocess")
 
@@ -300,6 +300,7 @@ def attention_backward_atomic(
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     lse = lse.contiguous()
+    do, o = int32_addressable(do), int32_addressable(o)
     recompute = delta_mode == "recompute"
     delta = ctx._dummy_counts if recompute else compute_delta(ctx, o, do)  # not read when recomputing
     dq = ctx.new_output((B, H, Nq, D), q.dtype)

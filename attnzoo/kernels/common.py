@@ -8,7 +8,8 @@ Conventions used by every kernel:
 - Mask convention: causal is bottom-right aligned, row ``i`` sees key ``j`` iff ``j <= i + (Nk - Nq)``;
   ``seqlens_k[b]`` hides keys ``j >= seqlens_k[b]``.
 - Batch/head offsets are int64 (a tensor may have more than 2^31 elements); offsets inside a tile are int32
-  relative to a per-tile int64 base, so no int32 product can overflow.
+  relative to a per-tile int64 base; they stay below 2^31 because the host copies a view whose row stride is
+  too large for that to contiguous memory first (`launch.int32_addressable`).
 - K/V tiles are loaded only up to ``seqlen_k_b`` (the batch's key count): keys past it are read as zeros, so
   whatever memory holds there (even NaN) never reaches ``P @ V``.
 """

@@ -12,7 +12,11 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from ..backend import new_output, triton_interpreter_active
-from .tuning import AUTOTUNER, INTERPRETER_CONFIG, KernelConfig, candidates, seqlen_bucket
+from .tuning import AUTOTUNER, CANDIDATES, INTERPRETER_CONFIG, KernelConfig, candidates, seqlen_bucket
+
+# The longest tile side of any launch config: in-tile offsets (row * row stride + col * col stride) are int32.
+_MAX_TILE_ROWS = max(max(c.block_m, c.block_n) for configs in CANDIDATES.values() for c in configs)
+_INT32_MAX = 2**31 - 1
 
 _placeholders: dict[torch.device, torch.Tensor] = {}
 
@@ -24,6 +28,19 @@ def _placeholder(device: torch.device) -> torch.Tensor:
     if buf is None:
         buf = _placeholders[device] = torch.zeros(2, dtype=torch.int32, device=device)
     return buf
+
+
+def int32_addressable(x: torch.Tensor, max_head_dim: int = 256) -> torch.Tensor:
+    """``x`` itself, or a contiguous copy when one tile's element offsets could overflow int32.
+
+    The kernels add batch/head/row-start offsets to the base pointer in int64 but index inside a tile in int32
+    (``row * stride_row + col * stride_col``): a view whose sequence stride is huge (e.g. ``[N, B, H, D]``
+    memory with B*H*D above ~2^24) would wrap there.  Contiguous rows have stride D, far from it.
+    """
+    stride_row, stride_col = (abs(s) for s in x.stride()[-2:])
+    if _MAX_TILE_ROWS * stride_row + max_head_dim * stride_col <= _INT32_MAX:
+        return x
+    return x.contiguous()
 
 
 def grid_1d(programs: int) -> tuple[int]:
@@ -59,6 +76,7 @@ class LaunchContext:
     configs: dict[str, KernelConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.q, self.k, self.v = (int32_addressable(x) for x in (self.q, self.k, self.v))
         device = self.q.device
         self.group_size = self.q.shape[1] // self.k.shape[1]
         self.seqlen_k = self.k.shape[2]
