@@ -22,13 +22,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attnzoo
 from attnzoo.backends.triton_atomic import variant
+from attnzoo.bench.schema import forward_flops as flops
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def flops(B: int, H: int, N: int, D: int, causal: bool) -> float:
-    f = 4.0 * B * H * N * N * D
-    return f / 2 if causal else f
 
 
 def bench(fn) -> float:

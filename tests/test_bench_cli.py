@@ -72,13 +72,13 @@ def test_cpu_rows_are_timed_and_counted_as_spec_says(tiny_csv):
             continue
         assert row["status"] == "ok", row
         assert row["fwd_ms"] > 0 and row["total_ms"] > 0
-        flops = forward_flops(row["B"], row["H"], row["N"], row["D"], row["causal"])
+        flops = forward_flops(row["B"], row["H"], row["N"], row["D"], row["causal"], row["seqlen_k"])
         assert row["tflops_fwd"] == pytest.approx(flops / (row["fwd_ms"] * 1e-3) / 1e12, rel=1e-4)
         assert row["tokens_per_s"] == pytest.approx(row["B"] * row["N"] / (row["total_ms"] * 1e-3), rel=1e-4)
         assert row["peak_mem_mb"] is None  # no allocator peak counter on the CPU
         if row["mode"] == "train":
             assert row["total_ms"] == pytest.approx(row["fwd_ms"] + row["bwd_ms"], rel=1e-4)
-            bwd = backward_flops(row["B"], row["H"], row["N"], row["D"], row["causal"])
+            bwd = backward_flops(row["B"], row["H"], row["N"], row["D"], row["causal"], row["seqlen_k"])
             assert row["tflops_bwd"] == pytest.approx(bwd / (row["bwd_ms"] * 1e-3) / 1e12, rel=1e-4)
         else:
             assert row["bwd_ms"] is None and row["total_ms"] == pytest.approx(row["fwd_ms"], rel=1e-4)
@@ -264,3 +264,12 @@ def test_ncu_command_profiles_only_the_bracketed_call_with_unlocked_clocks():
     assert "--profile-from-start off" in joined and "--clock-control none" in joined
     assert "--metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum" in joined
     assert cmd[-5:] == ["python", "-m", "attnzoo", "io", "target"]
+
+
+def test_flops_count_only_the_visible_pairs():
+    """SPEC.md's counts (4·B·H·N²·D, half causal) with every key valid; padded keys are work not done."""
+    assert forward_flops(2, 3, 8, 16, False) == 4 * 2 * 3 * 8 * 8 * 16
+    assert forward_flops(2, 3, 8, 16, True) == 4 * 2 * 3 * 8 * 8 * 16 / 2
+    assert forward_flops(1, 1, 8, 16, False, seqlen_k=2) == 4 * 8 * 2 * 16
+    assert forward_flops(1, 1, 8, 16, True, seqlen_k=2) == 4 * (2 * 2 / 2 + 6 * 2) * 16
+    assert backward_flops(1, 1, 8, 16, True, seqlen_k=2) == 2.5 * forward_flops(1, 1, 8, 16, True, seqlen_k=2)

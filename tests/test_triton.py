@@ -16,6 +16,7 @@ import attnzoo
 from attnzoo import debug, oracle
 from attnzoo.backends import triton_2kernel as t2k_module
 from attnzoo.backends.triton_atomic import TritonAtomic, variant
+from attnzoo.kernels import launch as launch_module
 from attnzoo.kernels import tuning
 from attnzoo.kernels.launch import LaunchContext, int32_addressable
 from attnzoo.kernels.tuning import Autotuner, KernelConfig
@@ -269,3 +270,31 @@ def test_only_views_that_could_wrap_int32_are_copied():
     wide = storage.as_strided((1, 1, 2, 16), (0, 0, 20_000_000, 1))  # 128 rows x 20M > 2^31
     copied = int32_addressable(wide)
     assert copied is not wide and copied.is_contiguous() and torch.equal(copied, wide)
+
+
+def test_autotuned_launch_falls_back_when_a_config_does_not_fit(monkeypatch):
+    """The GPU path of LaunchContext.run, driven on the CPU with a fake launch: autotuning off, the first
+    candidate runs out of shared memory, the next one runs, and every launch is preceded by a reset."""
+    from triton.runtime.errors import OutOfResources
+
+    monkeypatch.setenv("ATTNZOO_AUTOTUNE", "0")
+    monkeypatch.setattr(launch_module, "triton_interpreter_active", lambda: False)
+    monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 10**9)
+    monkeypatch.setattr(tuning, "AUTOTUNER", Autotuner())
+    monkeypatch.setattr(launch_module, "AUTOTUNER", tuning.AUTOTUNER)
+    q = torch.randn(1, 1, 8, 16)
+    ctx = LaunchContext(q=q, k=q, v=q, scale=0.25, causal=False, seqlens_k=None)
+    events = []
+    first = tuning.CANDIDATES["forward"][0]
+
+    def launch(cfg):
+        events.append(("launch", cfg))
+        if cfg == first:
+            raise OutOfResources(1, 0, "shared memory")
+
+    used = ctx.run("forward", launch, reset=lambda: events.append(("reset", None)))
+    assert used == tuning.CANDIDATES["forward"][1] and ctx.configs["forward"] == used
+    assert events == [("reset", None), ("launch", first), ("reset", None), ("launch", used)]
+    events.clear()
+    assert ctx.run("forward", launch, reset=lambda: events.append(("reset", None))) == used  # remembered
+    assert events == [("reset", None), ("launch", used)]

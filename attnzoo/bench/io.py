@@ -24,6 +24,7 @@ from pathlib import Path
 
 from . import ncu as ncu_tools
 from .io_theory import H100_SRAM_BYTES, THEORY_COLUMNS, theory_row
+from .schema import parse_lengths
 
 MEASURE_COLUMNS = [
     "gpu_name",
@@ -60,15 +61,6 @@ MEASURE_COLUMNS = [
 ]
 
 
-def _ints(text: str) -> list[int]:
-    out = []
-    for item in text.split(","):
-        item = item.strip().lower()
-        if item:
-            out.append(int(item[:-1]) * 1024 if item.endswith("k") else int(item))
-    return out
-
-
 def _write(path: Path | None, columns: list[str], rows: list[dict]) -> None:
     stream = sys.stdout if path is None else None
     if path is not None:
@@ -94,7 +86,7 @@ def theory_rows(Ns: list[int], Ds: list[int], B: int, H: int, elem_bytes: int, s
 
 
 def cmd_theory(args: argparse.Namespace) -> int:
-    rows = theory_rows(_ints(args.N), _ints(args.D), args.B, args.H, args.elem_bytes, args.sram_bytes)
+    rows = theory_rows(parse_lengths(args.N), parse_lengths(args.D), args.B, args.H, args.elem_bytes, args.sram_bytes)
     _write(Path(args.out) if args.out else None, THEORY_COLUMNS, rows)
     return 0
 
@@ -192,7 +184,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
     rows = []
     begin = time.perf_counter()
     for impl in args.impl.split(","):
-        for N in _ints(args.N):
+        for N in parse_lengths(args.N):
             for pass_ in args.pass_.split(","):
                 start = time.perf_counter()
                 if args.time_budget_s and start - begin > args.time_budget_s:
@@ -283,7 +275,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         argv = ["theory", *argv]  # theory is the default subcommand
     args = p.parse_args(argv)
     if args.command == "target":
-        args.N = int(_ints(args.N)[0])
+        args.N = int(parse_lengths(args.N)[0])
     return args
 
 

@@ -24,7 +24,16 @@ from . import impls as impl_registry
 from . import timing
 from .machine import machine_info, machine_tag
 from .progress import Progress
-from .schema import STATUS_OK, STATUS_OOM, backward_flops, forward_flops, status_kind, tflops, write_csv
+from .schema import (
+    STATUS_OK,
+    STATUS_OOM,
+    backward_flops,
+    forward_flops,
+    parse_lengths,
+    status_kind,
+    tflops,
+    write_csv,
+)
 
 DTYPES = {
     "fp16": torch.float16,
@@ -84,16 +93,6 @@ class Case:
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _seq_lengths(text: str) -> list[int]:
-    """ "1024,2k,16k" -> [1024, 2048, 16384] ("k" means 1024 here, as sequence lengths are powers of two)."""
-    out = []
-    for item in text.split(","):
-        item = item.strip().lower()
-        if item:
-            out.append(int(item[:-1]) * 1024 if item.endswith("k") else int(item))
-    return out
 
 
 def _wants_cuda(argv: list[str]) -> bool:
@@ -168,7 +167,7 @@ def build_grid(args: argparse.Namespace) -> list[Case]:
             for causal in causals:
                 for mode in modes:
                     for name in names:
-                        for N in sorted(_seq_lengths(args.N)):
+                        for N in sorted(parse_lengths(args.N)):
                             B = args.B or max(1, args.tokens // N)
                             seqlen_k = max(1, math.floor(args.seqlen_k_frac * N)) if args.seqlen_k_frac < 1 else N
                             cases.append(Case(dtype, mode, name, B, H, Hkv, N, D, causal, seqlen_k))
@@ -214,7 +213,7 @@ def measure(case: Case, impl: impl_registry.Impl, inputs: impl_registry.Inputs, 
         bwd_ms = timing.median_ms(backward, device, args.warmup, args.repeat)
         del backward
     total_ms = fwd_ms + (bwd_ms or 0.0)
-    shape = (case.B, case.H, case.N, case.D, case.causal)
+    shape = (case.B, case.H, case.N, case.D, case.causal, case.seqlen_k)
     return {
         "fwd_ms": fwd_ms,
         "bwd_ms": bwd_ms,

@@ -47,15 +47,30 @@ STATUS_OOM = "oom"
 BACKWARD_FLOP_FACTOR = 2.5
 
 
-def forward_flops(B: int, H: int, N: int, D: int, causal: bool) -> float:
-    """Useful floating-point operations of one attention forward (``Nq == Nk == N``)."""
-    flops = 4.0 * B * H * N * N * D
-    return flops / 2 if causal else flops
+def forward_flops(B: int, H: int, N: int, D: int, causal: bool, seqlen_k: int | None = None) -> float:
+    """Useful floating-point operations of one attention forward (``Nq == Nk == N``): 4·D per visible
+    (query, key) pair, SPEC.md's 4·B·H·N²·D (half of it causal) when every key is valid.
+
+    ``seqlen_k``: keys visible per batch (padding masks the rest): N·L pairs, or L²/2 + (N - L)·L causal.
+    """
+    L = N if seqlen_k is None else min(seqlen_k, N)
+    pairs = (L * L / 2 + (N - L) * L) if causal else N * L
+    return 4.0 * B * H * pairs * D
 
 
-def backward_flops(B: int, H: int, N: int, D: int, causal: bool) -> float:
+def backward_flops(B: int, H: int, N: int, D: int, causal: bool, seqlen_k: int | None = None) -> float:
     """Useful floating-point operations of one attention backward: 2.5x the forward."""
-    return BACKWARD_FLOP_FACTOR * forward_flops(B, H, N, D, causal)
+    return BACKWARD_FLOP_FACTOR * forward_flops(B, H, N, D, causal, seqlen_k)
+
+
+def parse_lengths(text: str) -> list[int]:
+    """ "1024,2k,16k" -> [1024, 2048, 16384] ("k" means 1024: sequence lengths are powers of two)."""
+    out = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if item:
+            out.append(int(item[:-1]) * 1024 if item.endswith("k") else int(item))
+    return out
 
 
 def tflops(flops: float, ms: float | None) -> float | None:

@@ -121,43 +121,43 @@ class LaunchContext:
         forced = self.forced_config
         if isinstance(forced, dict):
             forced = forced.get(kernel.split(":")[0])
-        if forced is not None:
-            cfg = forced
-        elif triton_interpreter_active():
-            cfg = INTERPRETER_CONFIG
+        if forced is not None or triton_interpreter_active():
+            cfg = forced if forced is not None else INTERPRETER_CONFIG
+            if reset is not None:
+                reset()
+            launch(cfg)
         else:
-            q = self.q
-            key = (
-                kernel,
-                self.block_d,
-                q.dtype,
-                self.causal,
-                self.has_seqlens,
-                seqlen_bucket(q.shape[2]),
-                seqlen_bucket(self.seqlen_k),
-                self.dot_precision,
-                q.device.index,
-            )
-            configs = candidates(kernel.split(":")[0], self.block_d, q.dtype, q.device)
-            cfg = AUTOTUNER.choose(key, configs, launch, reset)
-            # The shared-memory estimate is rough: if the chosen config does not fit after all, take the next.
-            for fallback in [cfg] + [c for c in configs if c != cfg]:
-                try:
-                    if reset is not None:
-                        reset()
-                    launch(fallback)
-                except OutOfResources:
-                    continue
-                cfg = AUTOTUNER.best[key] = fallback
-                break
-            else:
-                raise RuntimeError(f"no launch configuration of {kernel} fits this device; tried {configs}")
-            self.configs[kernel] = cfg
-            self._running = None
-            return cfg
-        if reset is not None:
-            reset()
-        launch(cfg)
+            cfg = self._tune_and_launch(kernel, launch, reset)
         self.configs[kernel] = cfg
         self._running = None
         return cfg
+
+    def _tune_and_launch(
+        self, kernel: str, launch: Callable[[KernelConfig], None], reset: Callable[[], None] | None
+    ) -> KernelConfig:
+        """Launch with the autotuner's choice for this call's key; returns the config that ran."""
+        q = self.q
+        key = (
+            kernel,
+            self.block_d,
+            q.dtype,
+            self.causal,
+            self.has_seqlens,
+            seqlen_bucket(q.shape[2]),
+            seqlen_bucket(self.seqlen_k),
+            self.dot_precision,
+            q.device.index,
+        )
+        configs = candidates(kernel.split(":")[0], self.block_d, q.dtype, q.device)
+        cfg = AUTOTUNER.choose(key, configs, launch, reset)
+        # The shared-memory estimate is rough: if the chosen config does not fit after all, take the next.
+        for fallback in [cfg] + [c for c in configs if c != cfg]:
+            try:
+                if reset is not None:
+                    reset()
+                launch(fallback)
+            except OutOfResources:
+                continue
+            AUTOTUNER.best[key] = fallback
+            return fallback
+        raise RuntimeError(f"no launch configuration of {kernel} fits this device; tried {configs}")
