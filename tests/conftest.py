@@ -27,7 +27,7 @@ _common = dict(
 )
 # ci: bounded for a 2-core machine without a GPU (Triton runs in the interpreter).
 settings.register_profile("ci", max_examples=100, **_common)
-# dev: the default on a workstation.
+# dev: the default, quick runs while editing (fewer examples than ci).
 settings.register_profile("dev", max_examples=40, **_common)
 # gpu: more and larger examples, for `pytest -m gpu --hypothesis-profile=gpu` on the device.
 settings.register_profile("gpu", max_examples=150, **_common)
