@@ -33,8 +33,8 @@ def _pick(problem: Problem) -> Backend:
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, seqlens_k, backend):
-        o, lse = backend.forward(q, k, v, causal=causal, scale=scale, seqlens_k=seqlens_k)
+    def forward(ctx, q, k, v, causal, scale, seqlens_k, backend, problem):
+        o, lse = backend.forward_validated(q, k, v, problem, seqlens_k)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.scale, ctx.seqlens_k, ctx.backend = causal, scale, seqlens_k, backend
         return o
@@ -46,7 +46,7 @@ class _Attention(torch.autograd.Function):
         dq, dk, dv = ctx.backend.backward(
             do, q, k, v, o, lse, causal=ctx.causal, scale=ctx.scale, seqlens_k=ctx.seqlens_k
         )
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def attention(
@@ -69,4 +69,4 @@ def attention(
     problem = validate_forward(q, k, v, causal, scale, seqlens_k)  # torch tensors only, before any kernel
     if isinstance(backend, str):
         backend = _pick(problem) if backend == "auto" else get(backend)
-    return _Attention.apply(q, k, v, causal, scale, seqlens_k, backend)
+    return _Attention.apply(q, k, v, causal, scale, seqlens_k, backend, problem)

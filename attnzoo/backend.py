@@ -139,7 +139,10 @@ class Backend:
         q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nk, D]``; seqlens_k: integer ``[B]`` or None.
         Returns ``o`` (``[B, H, Nq, D]``, dtype of q) and ``lse`` (``[B, H, Nq]``, float32).
         """
-        problem = self._validate(q, k, v, causal, scale, seqlens_k)
+        return self.forward_validated(q, k, v, self._validate(q, k, v, causal, scale, seqlens_k), seqlens_k)
+
+    def forward_validated(self, q: Any, k: Any, v: Any, problem: Problem, seqlens_k: Any) -> tuple[Any, Any]:
+        """``forward`` on inputs already validated into ``problem`` (by ``attention``, which validates once)."""
         self._check(problem)
         if _is_empty(problem):
             return _empty_forward(q, problem)
