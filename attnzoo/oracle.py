@@ -54,26 +54,35 @@ def _as_torch(x) -> Tensor:
 
 
 def reference(
-    q, k, v, do=None, causal: bool = False, scale: float | None = None, seqlens_k=None, stored_dtype=None
+    q,
+    k,
+    v,
+    do=None,
+    causal: bool = False,
+    scale: float | None = None,
+    seqlens_k=None,
+    stored_dtype=None,
+    device: torch.device | str = "cpu",
 ) -> Result:
-    """Exact attention in float64 on the CPU (the judge).  Accepts torch tensors or numpy arrays.
+    """Exact attention in float64 (the judge), on the CPU unless ``device`` says otherwise (the GPU tests judge
+    large N on the GPU).  Accepts torch tensors or numpy arrays.
 
     q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nk, D]``; do (optional): ``[B, H, Nq, D]``.
-    Returns float64 CPU tensors (lse float32 as in the contract, computed in float64).
+    Returns float64 tensors on ``device`` (lse float32 as in the contract, computed in float64).
 
     ``stored_dtype``: compute the backward's ``Delta = rowsum(dO * O)`` from ``dO`` and ``O`` rounded to this
     dtype and summed in float32, as every backend does (the contract hands the backward the forward's ``o`` in
     the input dtype), instead of the exact ``rowsum(dP * P)``; the difference is the error this step brings.
     """
-    q, k, v = (_as_torch(x).detach().cpu().double() for x in (q, k, v))
+    q, k, v = (_as_torch(x).detach().to(device, torch.float64) for x in (q, k, v))
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     group = H // Hkv
     scale = D**-0.5 if scale is None else scale
     # Grouped-query attention: query head h reads K/V head h // group.
     k_full, v_full = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    seqlens = None if seqlens_k is None else _as_torch(seqlens_k).cpu()
-    mask = visible_mask(B, Nq, Nk, causal, seqlens)
+    seqlens = None if seqlens_k is None else _as_torch(seqlens_k).to(device)
+    mask = visible_mask(B, Nq, Nk, causal, seqlens, device)
     s = ((q @ k_full.transpose(-1, -2)) * scale).masked_fill(~mask, float("-inf"))
     # A row with no visible key has lse = -inf and P = 0.
     lse = torch.logsumexp(s, dim=-1)
@@ -82,7 +91,7 @@ def reference(
     o = p @ v_full
     result = Result(o=o, lse=lse.float())
     if do is not None:
-        do = _as_torch(do).detach().cpu().double()
+        do = _as_torch(do).detach().to(device, torch.float64)
         dv_full = p.transpose(-1, -2) @ do
         dp = do @ v_full.transpose(-1, -2)
         if stored_dtype is None:
@@ -159,19 +168,28 @@ class Check:
         return self.error / self.bound if self.bound else 0.0
 
 
+def bound(name: str, dtype: torch.dtype, magnitude: float, baseline_error: float, contract_error: float) -> float:
+    """SPEC.md's rule from its ingredients.  float16/bfloat16: twice ``baseline_error`` (plain PyTorch's max
+    error) plus one rounding unit of the stored output, plus twice ``contract_error``: how far the exact gradients
+    move when Delta is computed from the stored ``o`` (see :func:`reference`'s ``stored_dtype``); float32/float64:
+    a fixed tolerance plus twice ``contract_error``.  ``magnitude`` is ``max(1, max|ref|)``: tolerances and
+    slack are relative to it."""
+    if dtype in LOW_PRECISION:
+        stored = torch.float32 if name == "lse" else dtype
+        return 2.0 * baseline_error + EPS[stored] * magnitude + 2.0 * contract_error
+    return FIXED_TOL[dtype][name] * magnitude + 2.0 * contract_error
+
+
 def error_bound(
     name: str, ref: Tensor, baseline: Tensor | None, dtype: torch.dtype, contract_error: float = 0.0
 ) -> float:
-    """SPEC.md's rule.  float16/bfloat16: twice the max error of :func:`plain_torch` (``baseline``) plus one
-    rounding unit of the stored output, plus twice ``contract_error``: how far the exact gradients move when Delta is
-    computed from the stored ``o`` (see :func:`reference`'s ``stored_dtype``); float32/float64: a fixed
-    tolerance plus twice ``contract_error``.  Tolerances and slack are relative to ``max(1, max|ref|)``."""
+    """:func:`bound` for output ``name`` with oracle result ``ref`` and :func:`plain_torch`'s ``baseline``
+    (needed for float16/bfloat16)."""
     magnitude = max(1.0, float(ref.abs().max())) if ref.numel() else 1.0
-    if dtype in LOW_PRECISION:
-        base_err = float((baseline.double().cpu() - ref).abs().max()) if ref.numel() else 0.0
-        stored = torch.float32 if name == "lse" else dtype
-        return 2.0 * base_err + EPS[stored] * magnitude + 2.0 * contract_error
-    return FIXED_TOL[dtype][name] * magnitude + 2.0 * contract_error
+    baseline_error = 0.0
+    if dtype in LOW_PRECISION and ref.numel():
+        baseline_error = float((baseline.double().to(ref.device) - ref).abs().max())
+    return bound(name, dtype, magnitude, baseline_error, contract_error)
 
 
 def check_output(name: str, got, ref: Tensor, baseline, dtype: torch.dtype, contract_error: float = 0.0) -> Check:
@@ -210,7 +228,7 @@ def contract_errors(q, k, v, do, exact: Result, causal: bool = False, scale=None
     dtype = _as_torch(q).dtype
     if dtype == torch.float64:
         return {}
-    stored = reference(q, k, v, do, causal, scale, seqlens_k, stored_dtype=dtype)
+    stored = reference(q, k, v, do, causal, scale, seqlens_k, stored_dtype=dtype, device=exact.o.device)
     return {
         name: float((getattr(stored, name) - getattr(exact, name)).abs().max()) if exact.dq.numel() else 0.0
         for name in ("dq", "dk")
