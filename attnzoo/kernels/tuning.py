@@ -54,6 +54,8 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         KernelConfig(64, 128, 8, 3),
         KernelConfig(16, 64, 4, 2),
         KernelConfig(64, 64, 4, 3),
+        # D = 64: 4 warps over 128 resident keys, 14% faster than (32, 64) at fp16 N = 8192 (NOTES-kernels.md).
+        KernelConfig(32, 128, 4, 3),
     ],
     # Q-stationary dQ: BLOCK_M query rows resident, BLOCK_N keys streamed.
     "dq": [
@@ -62,6 +64,7 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         KernelConfig(128, 128, 8, 2),
         KernelConfig(64, 64, 4, 3),
         KernelConfig(64, 32, 4, 2),
+        KernelConfig(128, 64, 4, 3),
     ],
     # Q-stationary backward with atomic dK/dV.
     "atomic": [
