@@ -256,6 +256,12 @@ def test_ncu_csv_is_summed_over_the_kernels_of_one_call():
     assert total["dram_read_bytes"] == 4_227_072 + 1_000
     assert total["dram_write_bytes"] == 6_500 + 2_000
     assert math.isclose(total["gpu_seconds"], 36_928e-9 + 1.5e-6)
+    assert total["kernel_ms"] == "fwd_kernel=0.03693;copy=0.0015"
+
+
+def test_kernel_names_lose_template_arguments_and_parameters():
+    assert ncu._short_name("void flash::flash_bwd_kernel<Traits<128, 64>, true>(Params)") == "flash::flash_bwd_kernel"
+    assert ncu._short_name("dkdv_kernel") == "dkdv_kernel"
 
 
 def test_ncu_command_profiles_only_the_bracketed_call_with_unlocked_clocks():

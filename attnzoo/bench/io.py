@@ -44,6 +44,7 @@ MEASURE_COLUMNS = [
     "dram_write_bytes",
     "dram_bytes",
     "gpu_ms",
+    "kernel_ms",
     "achieved_TBps",
     "achieved_TFLOPs",
     "arithmetic_intensity",

@@ -119,9 +119,25 @@ def parse_ncu_csv(text: str) -> list[KernelMetrics]:
     return out
 
 
-def summed(kernels: list[KernelMetrics]) -> dict[str, float]:
-    """DRAM bytes read/written and GPU seconds summed over the kernels of one call."""
+def _short_name(kernel: str) -> str:
+    """A kernel's name without template arguments or parameter list (``void ns::k<...>(...)`` -> ``ns::k``)."""
+    name = kernel.split("<", 1)[0].split("(", 1)[0].strip()
+    return name.removeprefix("void ").strip()
+
+
+def summed(kernels: list[KernelMetrics]) -> dict[str, float | int | str]:
+    """DRAM bytes read/written and GPU seconds summed over the kernels of one call, and ``kernel_ms``: each
+    kernel's own time in launch order (``name=ms;...``), which says where a multi-kernel call spends it."""
     read = sum(k.values.get("dram__bytes_read.sum", 0.0) for k in kernels)
     write = sum(k.values.get("dram__bytes_write.sum", 0.0) for k in kernels)
     seconds = sum(k.values.get("gpu__time_duration.sum", 0.0) for k in kernels)
-    return {"kernels": len(kernels), "dram_read_bytes": read, "dram_write_bytes": write, "gpu_seconds": seconds}
+    per_kernel = ";".join(
+        f"{_short_name(k.kernel)}={k.values.get('gpu__time_duration.sum', float('nan')) * 1e3:.4g}" for k in kernels
+    )
+    return {
+        "kernels": len(kernels),
+        "dram_read_bytes": read,
+        "dram_write_bytes": write,
+        "gpu_seconds": seconds,
+        "kernel_ms": per_kernel,
+    }
