@@ -15,28 +15,37 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from attnzoo.kernels.tuning import KernelConfig
 
 DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+DEVICE = "cuda"
+
+# (dtype name, head dim, causal, kernel, config): one compilation of ``kernel`` with ``config``, the other kernels
+# keeping their first candidate. dq and dkdv also compile the Delta preprocess; atomic compiles both Delta variants.
+Job = tuple[str, int, bool, str, "KernelConfig"]
 
 
-def _jobs(dtypes: list[str], head_dims: list[int]) -> list[tuple[str, int, bool, str, int]]:
-    """(dtype, D, causal, kernel, candidate index): one compilation each (dq and dkdv also compile the Delta
-    preprocess; atomic compiles both Delta variants)."""
+def _jobs(dtypes: list[str], head_dims: list[int]) -> list[Job]:
+    """Every candidate of every kernel, for each (dtype, D, causal)."""
     import torch
 
-    from attnzoo.kernels.tuning import CANDIDATES, candidates
+    from attnzoo.kernels.tuning import CANDIDATES, candidates, head_dim_tile
 
     jobs = []
     for dtype in dtypes:
         for d in head_dims:
-            block_d = max(16, 1 << (d - 1).bit_length())
             for kernel in CANDIDATES:
-                count = len(candidates(kernel, block_d, getattr(torch, DTYPES[dtype]), torch.device("cuda")))
-                jobs += [(dtype, d, causal, kernel, i) for causal in (False, True) for i in range(count)]
+                configs = candidates(kernel, head_dim_tile(d), getattr(torch, DTYPES[dtype]), torch.device(DEVICE))
+                jobs += [(dtype, d, causal, kernel, cfg) for causal in (False, True) for cfg in configs]
     return jobs
 
 
-def _compile(job: tuple[str, int, bool, str, int]) -> str:
+def compile_config(job: Job) -> str:
+    """Compile (by running once on small inputs) one kernel config; returns a report line (run in a worker)."""
     import torch
 
     import attnzoo
@@ -44,18 +53,16 @@ def _compile(job: tuple[str, int, bool, str, int]) -> str:
     from attnzoo.kernels.backward_2kernel import attention_backward_2kernel
     from attnzoo.kernels.backward_atomic import attention_backward_atomic
     from attnzoo.kernels.forward import attention_forward
-    from attnzoo.kernels.tuning import CANDIDATES, candidates
+    from attnzoo.kernels.tuning import CANDIDATES, candidates, head_dim_tile
 
-    dtype_name, d, causal, kernel, index = job
+    dtype_name, d, causal, kernel, config = job
     dtype = getattr(torch, DTYPES[dtype_name])
-    block_d = max(16, 1 << (d - 1).bit_length())
-    lists = {name: candidates(name, block_d, dtype, torch.device("cuda")) for name in CANDIDATES}
-    forced = {name: configs[0] for name, configs in lists.items()}
-    forced[kernel] = lists[kernel][index]
+    forced = {name: candidates(name, head_dim_tile(d), dtype, torch.device(DEVICE))[0] for name in CANDIDATES}
+    forced[kernel] = config
     start = time.time()
     try:
         for batch in (1, 2):
-            q, k, v, do = (torch.randn(batch, 16, 256, d, device="cuda", dtype=dtype) for _ in range(4))
+            q, k, v, do = (torch.randn(batch, 16, 256, d, device=DEVICE, dtype=dtype) for _ in range(4))
             problem = attnzoo.get("triton_2kernel")._validate(q, k, v, causal, None, None)
             ctx = make_context(q, k, v, problem, None, forced_config=forced)
             o, lse = attention_forward(ctx)
@@ -68,7 +75,14 @@ def _compile(job: tuple[str, int, bool, str, int]) -> str:
         outcome = "ok"
     except Exception as exc:  # reported; the timing run falls back past configs that fail to launch
         outcome = type(exc).__name__
-    return f"{dtype_name} D={d} causal={causal} {kernel} {forced[kernel]}: {outcome} {time.time() - start:.1f} s"
+    return f"{dtype_name} D={d} causal={causal} {kernel} {config}: {outcome} {time.time() - start:.1f} s"
+
+
+def compile_all(jobs: list[Job], workers: int) -> Iterator[str]:
+    """:func:`compile_config` for every job on ``workers`` processes; yields the report lines as jobs finish."""
+    # spawn: each worker initialises CUDA itself (a forked CUDA context is unusable).
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        yield from pool.imap_unordered(compile_config, jobs)
 
 
 def main() -> None:
@@ -79,10 +93,8 @@ def main() -> None:
     args = parser.parse_args()
     jobs = _jobs(args.dtype.split(","), [int(x) for x in args.d.split(",")])
     start = time.time()
-    # spawn: each worker initialises CUDA itself (a forked CUDA context is unusable).
-    with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
-        for line in pool.imap_unordered(_compile, jobs):
-            print(line, flush=True)
+    for line in compile_all(jobs, args.workers):
+        print(line, flush=True)
     print(f"{len(jobs)} compilations in {time.time() - start:.0f} s with {args.workers} workers", flush=True)
 
 

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import argparse
 import csv
-import multiprocessing
 import time
 
 import torch
 import triton
+from precompile import compile_all  # bench/precompile.py, beside this script
 
 import attnzoo
 from attnzoo.backends.triton_2kernel import make_context
 from attnzoo.kernels.backward_2kernel import attention_backward_2kernel
-from attnzoo.kernels.forward import attention_forward
 from attnzoo.kernels.tuning import AUTOTUNER, CANDIDATES, KernelConfig
 
 EXTRA = {
@@ -52,20 +51,6 @@ def _inputs(d: int, causal: bool, n: int, batch: int):
     return q, k, v, do, attnzoo.get("triton_2kernel")._validate(q, k, v, causal, None, None)
 
 
-def _compile(job: tuple[int, bool, str, KernelConfig]) -> str:
-    """One config compiled on a small problem (a worker process), so that the timing loop finds it cached."""
-    d, causal, kernel, cfg = job
-    q, k, v, do, problem = _inputs(d, causal, 256, 2)
-    forced = {name: CANDIDATES[name][0] for name in ("forward", *KERNELS)} | {kernel: cfg}
-    try:
-        ctx = make_context(q, k, v, problem, None, forced_config=forced)
-        attention_backward_2kernel(ctx, do, *attention_forward(ctx))
-        torch.cuda.synchronize()
-        return "ok"
-    except Exception as exc:  # reported; the timing loop skips it
-        return type(exc).__name__
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--N", type=int, default=8192)
@@ -74,11 +59,9 @@ def main() -> None:
     parser.add_argument("--out", default="sweep_backward.csv")
     args = parser.parse_args()
     cases = [(int(d), c == "yes") for d, c in (item.split(":") for item in args.cases.split(","))]
-    jobs = [(d, causal, kernel, cfg) for d, causal in cases for kernel in KERNELS for cfg in _configs(kernel)]
+    jobs = [("fp16", d, causal, kernel, cfg) for d, causal in cases for kernel in KERNELS for cfg in _configs(kernel)]
     start = time.time()
-    with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
-        outcomes = pool.map(_compile, jobs)
-    failed = [job for job, outcome in zip(jobs, outcomes, strict=True) if outcome != "ok"]
+    failed = [line for line in compile_all(jobs, args.workers) if ": ok " not in line]
     print(f"compiled {len(jobs)} configs in {time.time() - start:.0f} s; failed: {failed}", flush=True)
 
     with open(args.out, "w", newline="") as fh:

@@ -8,11 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import triton
 from triton.runtime.errors import OutOfResources
 
 from ..backend import new_output, triton_interpreter_active
-from .tuning import AUTOTUNER, CANDIDATES, INTERPRETER_CONFIG, KernelConfig, candidates, seqlen_bucket
+from .tuning import AUTOTUNER, CANDIDATES, INTERPRETER_CONFIG, KernelConfig, candidates, head_dim_tile, seqlen_bucket
 
 # The longest tile side of any launch config: in-tile offsets (row * row stride + col * col stride) are int32.
 _MAX_TILE_ROWS = max(max(c.block_m, c.block_n) for configs in CANDIDATES.values() for c in configs)
@@ -80,7 +79,7 @@ class LaunchContext:
         device = self.q.device
         self.group_size = self.q.shape[1] // self.k.shape[1]
         self.seqlen_k = self.k.shape[2]
-        self.block_d = max(16, triton.next_power_of_2(self.q.shape[3]))
+        self.block_d = head_dim_tile(self.q.shape[3])
         self.even_d = self.q.shape[3] == self.block_d  # no column mask needed
         self.dot_precision = dot_precision(self.q.dtype)
         self.has_seqlens = self.seqlens_k is not None

@@ -115,6 +115,11 @@ def autotune_enabled() -> bool:
     return os.environ.get("ATTNZOO_AUTOTUNE", "1") not in ("0", "")
 
 
+def head_dim_tile(head_dim: int) -> int:
+    """The padded head-dim tile (BLOCK_D): the next power of two, at least 16 (``tl.dot``'s smallest K)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def seqlen_bucket(n: int) -> int:
     """Power-of-two bucket of a sequence length (64 .. 16384): the best tile changes with N only slowly."""
     return min(max(64, triton.next_power_of_2(max(n, 1))), 16384)
