@@ -20,7 +20,7 @@ from attnzoo.backends.triton_atomic import variant
 from attnzoo.kernels.backward_2kernel import attention_backward_2kernel
 from attnzoo.kernels.backward_atomic import attention_backward_atomic
 from attnzoo.kernels.forward import attention_forward
-from attnzoo.kernels.tuning import CANDIDATES, candidates
+from attnzoo.kernels.tuning import CANDIDATES, candidates, head_dim_tile
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"
@@ -164,7 +164,7 @@ def test_every_candidate_config_is_correct(dtype, D):
     which the tuner skips; those are printed)."""
     q, k, v, do, sl = _make(2, 4, 2, 300, 333, D, dtype, [333, 100], seed=D)
     problem = attnzoo.get("triton_2kernel")._validate(q, k, v, True, None, sl)
-    lists = {name: candidates(name, max(16, D), dtype, q.device) for name in CANDIDATES}
+    lists = {name: candidates(name, head_dim_tile(D), dtype, q.device) for name in CANDIDATES}
     o_ref, lse_ref = attnzoo.get("triton_2kernel").forward(q, k, v, causal=True, seqlens_k=sl)
     out_of_resources = []
     for i in range(max(len(c) for c in lists.values())):
