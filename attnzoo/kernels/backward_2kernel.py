@@ -131,28 +131,36 @@ def _dkdv_stage(
     BLOCK_M: tl.constexpr,
     CAUSAL: tl.constexpr,
     MASKED: tl.constexpr,
+    Q_TAIL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate dK, dV ``[BLOCK_N, D]`` of the resident K/V block over the Q tiles ``[lo, hi)`` of one head.
 
     Works on transposed tiles (``S^T = K Q^T``, ``[BLOCK_N, BLOCK_M]``) so that P^T and dS^T come out of the
     dots already in the layout of the left operand of ``P^T dO`` and ``dS^T Q``.
+
+    Q_TAIL: the last Q tile reaches past ``seqlen_q``; its padding rows load as zeros with lse = +inf, so their
+    P is 0 (only the loads are masked).  Without a tail the loads carry no predicate at all: this kernel sits
+    at the 255-register limit, and the predicated loads made it spill more and run 1.1-1.2x slower on the
+    H100 (docs/NOTES-kernels.md).
     """
     local_m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + local_m
-        # Padding rows (>= Nq) load as zeros with lse = +inf, so their P is 0: only the loads are masked.
         q_tile = load_tile(
             tile_pointers(q_head, start_m, local_m, cols, stride_qm, stride_qd), rows, seqlen_q, cols,
-            head_dim, EVEN_D, True,
+            head_dim, EVEN_D, Q_TAIL,
         )  # fmt: skip
         do_tile = load_tile(
             tile_pointers(do_head, start_m, local_m, cols, stride_dom, stride_dod), rows, seqlen_q, cols,
-            head_dim, EVEN_D, True,
+            head_dim, EVEN_D, Q_TAIL,
         )  # fmt: skip
-        lse2 = load_lse2(lse_row_ptr + rows, rows, seqlen_q)
-        delta = tl.load(delta_row_ptr + rows, mask=rows < seqlen_q, other=0.0)
+        lse2 = load_lse2(lse_row_ptr + rows, rows, seqlen_q, Q_TAIL)
+        if Q_TAIL:
+            delta = tl.load(delta_row_ptr + rows, mask=rows < seqlen_q, other=0.0)
+        else:
+            delta = tl.load(delta_row_ptr + rows)
         scores_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PRECISION)
         dp_t = tl.dot(v_tile, tl.trans(do_tile), input_precision=DOT_PRECISION)
         visible = None
@@ -215,6 +223,7 @@ def dkdv_kernel(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_SEQLENS: tl.constexpr,
+    Q_TAIL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DEBUG: tl.constexpr,
 ):
@@ -222,6 +231,7 @@ def dkdv_kernel(
 
     For grouped-query attention the program also loops over the ``group_size`` query heads that read this
     K/V head, summing their contributions in registers.  dk and dv share strides (both allocated contiguous).
+    Q_TAIL: ``seqlen_q`` is not a multiple of BLOCK_M (the streamed Q-side loads need row predicates).
     DEBUG writes (visited, skipped) Q tile counts, summed over the group.
     """
     pid = tl.program_id(0)
@@ -259,12 +269,12 @@ def dkdv_kernel(
         dk, dv, visited = _dkdv_stage(
             dk, dv, visited, k_tile, v_tile, q_head, do_head, lse_ptr + row_offset, delta_ptr + row_offset,
             stride_qm, stride_qd, stride_dom, stride_dod, keys, lo, unmasked_lo, seqlen_q, diagonal_offset,
-            seqlen_k_b, qk_scale, head_dim, EVEN_D, BLOCK_D, BLOCK_M, CAUSAL, True, DOT_PRECISION,
+            seqlen_k_b, qk_scale, head_dim, EVEN_D, BLOCK_D, BLOCK_M, CAUSAL, True, Q_TAIL, DOT_PRECISION,
         )  # fmt: skip
         dk, dv, visited = _dkdv_stage(
             dk, dv, visited, k_tile, v_tile, q_head, do_head, lse_ptr + row_offset, delta_ptr + row_offset,
             stride_qm, stride_qd, stride_dom, stride_dod, keys, unmasked_lo, hi, seqlen_q, diagonal_offset,
-            seqlen_k_b, qk_scale, head_dim, EVEN_D, BLOCK_D, BLOCK_M, CAUSAL, False, DOT_PRECISION,
+            seqlen_k_b, qk_scale, head_dim, EVEN_D, BLOCK_D, BLOCK_M, CAUSAL, False, Q_TAIL, DOT_PRECISION,
         )  # fmt: skip
 
     dk_head = head_pointer(dk_ptr, batch, kv_head, stride_dkb, stride_dkh)
@@ -277,6 +287,7 @@ def dkdv_kernel(
         seqlen_k,
         cols,
         head_dim,
+        EVEN_D,
     )
     store_tile(
         tile_pointers(dv_head, start_n, local_n, cols, stride_dkn, stride_dkd),
@@ -285,6 +296,7 @@ def dkdv_kernel(
         seqlen_k,
         cols,
         head_dim,
+        EVEN_D,
     )
     if DEBUG:
         total = tl.cdiv(seqlen_q, BLOCK_M) * group_size
@@ -421,7 +433,7 @@ def dq_kernel(
         head_dim, EVEN_D, True,
     )  # fmt: skip
     row_offset = as_int64(bh) * seqlen_q
-    lse2 = load_lse2(lse_ptr + row_offset + rows, rows, seqlen_q)
+    lse2 = load_lse2(lse_ptr + row_offset + rows, rows, seqlen_q, True)
     delta = tl.load(delta_ptr + row_offset + rows, mask=rows < seqlen_q, other=0.0)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -446,6 +458,7 @@ def dq_kernel(
         seqlen_q,
         cols,
         head_dim,
+        EVEN_D,
     )
     if DEBUG:
         program = bh * num_m_blocks + m_block
@@ -476,8 +489,8 @@ def attention_backward_2kernel(
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
             H, Hkv, ctx.group_size, Nq, Nk, num_n_blocks, ctx.scale, qk_scale,
             head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, Q_TAIL=Nq % cfg.block_m != 0,
+            DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
     def launch_dq(cfg) -> None:

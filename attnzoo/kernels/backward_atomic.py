@@ -31,6 +31,7 @@ from .common import (
     load_tile,
     softmax_grad_tile,
     store_tile,
+    tile_in_bounds,
     tile_pointers,
 )
 from .launch import LaunchContext, grid_1d, int32_addressable
@@ -145,7 +146,7 @@ def _atomic_stage(
         dk_part = tl.dot(tl.trans(ds.to(q_tile.dtype)), q_tile, input_precision=DOT_PRECISION) * sm_scale
         # The float32 accumulators are contiguous [B, Hkv, Nk, D]; rows past Nk do not exist.
         offsets = as_int64(start_n) * stride_accn + local_n[:, None] * stride_accn + cols[None, :]
-        in_bounds = (keys[:, None] < seqlen_k) & (cols[None, :] < head_dim)
+        in_bounds = tile_in_bounds(keys, seqlen_k, cols, head_dim, EVEN_D)
         tl.atomic_add(dv_head + offsets, dv_part, mask=in_bounds, sem="relaxed")
         tl.atomic_add(dk_head + offsets, dk_part, mask=in_bounds, sem="relaxed")
         visited += 1
@@ -240,7 +241,7 @@ def atomic_backward_kernel(
         head_dim, EVEN_D, True,
     )  # fmt: skip
     row_offset = as_int64(bh) * seqlen_q
-    lse2 = load_lse2(lse_ptr + row_offset + rows, rows, seqlen_q)
+    lse2 = load_lse2(lse_ptr + row_offset + rows, rows, seqlen_q, True)
     unmasked_end, end = kv_loop_bounds(start_m, seqlen_q, seqlen_k, seqlen_k_b, CAUSAL, BLOCK_M, BLOCK_N)
     diagonal_offset = seqlen_k - seqlen_q
 
@@ -279,6 +280,7 @@ def atomic_backward_kernel(
         seqlen_q,
         cols,
         head_dim,
+        EVEN_D,
     )
     if DEBUG:
         program = bh * num_m_blocks + m_block

@@ -67,9 +67,24 @@ def load_tile(ptrs, rows, row_limit, cols, head_dim, EVEN_D: tl.constexpr, CHECK
 
 
 @triton.jit
-def store_tile(ptrs, value, rows, row_limit, cols, head_dim):
+def tile_in_bounds(rows, row_limit, cols, head_dim, EVEN_D: tl.constexpr):
+    """The mask of rows ``< row_limit`` and columns ``< head_dim`` of a ``[rows, BLOCK_D]`` tile.
+
+    With EVEN_D it is the ``[rows, 1]`` row test alone (broadcast by the store): a mask constant along a row
+    lets the compiler keep 16-byte vector stores, where the column test against the runtime ``head_dim``
+    made every element a 2-byte store (seen in the PTX of the forward; docs/NOTES-kernels.md).
+    """
+    if EVEN_D:
+        in_bounds = rows[:, None] < row_limit
+    else:
+        in_bounds = (rows[:, None] < row_limit) & (cols[None, :] < head_dim)
+    return in_bounds
+
+
+@triton.jit
+def store_tile(ptrs, value, rows, row_limit, cols, head_dim, EVEN_D: tl.constexpr):
     """Store a ``[rows, BLOCK_D]`` tile, skipping rows ``>= row_limit`` and columns ``>= head_dim``."""
-    tl.store(ptrs, value, mask=(rows[:, None] < row_limit) & (cols[None, :] < head_dim))
+    tl.store(ptrs, value, mask=tile_in_bounds(rows, row_limit, cols, head_dim, EVEN_D))
 
 
 @triton.jit
@@ -182,9 +197,15 @@ def online_softmax_step(acc, m_i, l_i, scores, v_tile, MASKED: tl.constexpr, DOT
 
 
 @triton.jit
-def load_lse2(lse_ptrs, rows, seqlen_q):
-    """Row LSE in base-2 units; empty rows (lse = -inf) and padding rows give +inf so that P = exp2(s - lse) = 0."""
-    lse = tl.load(lse_ptrs, mask=rows < seqlen_q, other=float("inf"))
+def load_lse2(lse_ptrs, rows, seqlen_q, CHECK_ROWS: tl.constexpr):
+    """Row LSE in base-2 units; empty rows (lse = -inf) give +inf so that P = exp2(s - lse) = 0.
+
+    CHECK_ROWS: rows past ``seqlen_q`` also give +inf (a predicated load); without it every row must be real.
+    """
+    if CHECK_ROWS:
+        lse = tl.load(lse_ptrs, mask=rows < seqlen_q, other=float("inf"))
+    else:
+        lse = tl.load(lse_ptrs)
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
     return lse * 1.4426950408889634
 

@@ -189,6 +189,7 @@ def attention_forward_kernel(
         seqlen_q,
         cols,
         head_dim,
+        EVEN_D,
     )
     tl.store(lse_ptr + as_int64(bh) * seqlen_q + rows, lse, mask=rows < seqlen_q)
     if DEBUG:
