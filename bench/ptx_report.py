@@ -1,0 +1,132 @@
+"""Compile one kernel config for the H100 (sm_90a) on a machine without a GPU, and report what the compiler made.
+
+Triton's compiler and the ``ptxas`` it ships need no GPU: this builds the PTX of a kernel of ``attnzoo/kernels``
+with the specialisation a launch would get (strides of 1 become constants, pointers and row strides 16-byte
+aligned, sizes not specialised), runs ``ptxas -v`` on it, and prints registers per thread, spill bytes, and the
+widths of the global stores and reductions. Spills and 2-byte stores are what made two kernels slow on the H100
+(docs/NOTES-kernels.md), and both show here without device time. The local Triton may be newer than the
+device's, so the numbers are a guide; timings still come from the GPU.
+
+    python bench/ptx_report.py --kernel dkdv --d 128 --config 64,128,8,3
+    python bench/ptx_report.py --kernel forward,dkdv,dq,atomic --d 64,128 --causal
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("ptx_report compiles real kernels: unset TRITON_INTERPRET")
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from attnzoo.kernels.backward_2kernel import dkdv_kernel, dq_kernel
+from attnzoo.kernels.backward_atomic import atomic_backward_kernel
+from attnzoo.kernels.forward import attention_forward_kernel
+from attnzoo.kernels.tuning import CANDIDATES, KernelConfig, head_dim_tile
+
+KERNELS = {"forward": attention_forward_kernel, "dkdv": dkdv_kernel, "dq": dq_kernel, "atomic": atomic_backward_kernel}
+TARGET = GPUTarget("cuda", 90, 32)
+DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
+FLOAT32_POINTERS = ("lse_ptr", "delta_ptr", "dk_acc_ptr", "dv_acc_ptr")
+INT32_POINTERS = ("seqlens_ptr", "counts_ptr")
+SCALARS = ("sm_scale", "qk_scale")
+
+
+def _ptxas() -> str:
+    """The ptxas that Triton itself runs for sm_90 (named ptxas-blackwell in Triton >= 3.5)."""
+    from triton.backends.nvidia import compiler
+
+    tool = compiler.get_ptxas(90) if hasattr(compiler, "get_ptxas") else triton.knobs.nvidia.ptxas
+    return tool.path
+
+
+def source(kernel, dtype: str, d: int, cfg: KernelConfig, causal: bool, q_tail: bool) -> ASTSource:
+    """The kernel as a launch on contiguous ``[B, H, N, d]`` tensors of ``dtype`` would specialise it."""
+    block_d = head_dim_tile(d)
+    flags = dict(
+        EVEN_D=d == block_d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+        HAS_SEQLENS=False, DOT_PRECISION="ieee", DEBUG=False, Q_TAIL=q_tail, DELTA_RECOMPUTE=False,
+    )  # fmt: skip
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in flags:
+            signature[name], constexprs[(i,)] = "constexpr", flags[name]
+        elif name.startswith("stride") and name.endswith("d"):  # the head-dim stride of a contiguous tensor
+            signature[name], constexprs[(i,)] = "constexpr", 1
+        elif name.endswith("_ptr"):
+            elem = "fp32" if name in FLOAT32_POINTERS else "i32" if name in INT32_POINTERS else DTYPES[dtype]
+            signature[name], attrs[(i,)] = f"*{elem}", [["tt.divisibility", 16]]
+        elif name in SCALARS:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
+def report(kernel_name: str, dtype: str, d: int, cfg: KernelConfig, causal: bool, q_tail: bool) -> dict:
+    """Registers, spill bytes and global store / reduction widths of one compiled config."""
+    kernel = KERNELS[kernel_name]
+    compiled = triton.compile(
+        source(kernel, dtype, d, cfg, causal, q_tail),
+        target=TARGET,
+        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    )
+    ptx = compiled.asm["ptx"]
+    path = f"/tmp/attnzoo_{kernel_name}_{os.getpid()}.ptx"
+    with open(path, "w") as fh:
+        fh.write(ptx)
+    try:
+        out = subprocess.run([_ptxas(), "-v", "--gpu-name", "sm_90a", path, "-o", "/dev/null"], capture_output=True)
+    finally:
+        os.remove(path)
+    text = out.stdout.decode() + out.stderr.decode()
+
+    def number(pattern: str) -> int:
+        found = re.search(pattern, text)
+        return int(found.group(1)) if found else -1
+
+    return dict(
+        registers=number(r"Used (\d+) registers"),
+        spill_stores=number(r"(\d+) bytes spill stores"),
+        spill_loads=number(r"(\d+) bytes spill loads"),
+        stores=collections.Counter(re.findall(r"\bst\.global((?:\.v\d)?\.[bf]\d+)", ptx)),
+        reductions=collections.Counter(re.findall(r"\bred\.global(?:\.\w+)*?\.add((?:\.v\d)?\.[bf]\d+)", ptx)),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel", default="forward,dkdv,dq", help="comma list of " + ", ".join(KERNELS))
+    parser.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
+    parser.add_argument("--d", default="128", help="head dims, comma list")
+    parser.add_argument("--config", help="BLOCK_M,BLOCK_N,warps,stages (default: every autotuning candidate)")
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--q-tail", action="store_true", help="dkdv: Nq not a multiple of BLOCK_M")
+    args = parser.parse_args(argv)
+    for name in args.kernel.split(","):
+        configs = [KernelConfig(*map(int, args.config.split(",")))] if args.config else CANDIDATES[name]
+        for d in map(int, args.d.split(",")):
+            for cfg in configs:
+                r = report(name, args.dtype, d, cfg, args.causal, args.q_tail)
+                widths = lambda counts: " ".join(f"{n}x{w}" for w, n in sorted(counts.items())) or "-"  # noqa: E731
+                print(
+                    f"{name} {args.dtype} D={d} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}: "
+                    f"{r['registers']} registers, spill {r['spill_stores']}/{r['spill_loads']} B stored/loaded, "
+                    f"stores {widths(r['stores'])}, reductions {widths(r['reductions'])}",
+                    flush=True,
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
