@@ -105,6 +105,22 @@ def test_numpy_ref_takes_and_returns_numpy_arrays():
     assert o16.dtype == np.float16
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_numpy_ref_backward_gives_hidden_keys_p_zero_without_overflow():
+    """A key the causal mask hides may score far above the row's lse; its P is 0, not exp(huge) masked later."""
+    rng = np.random.default_rng(2)
+    q, k, v, do = (rng.standard_normal((1, 1, 8, 4)) for _ in range(4))
+    k[..., 7, :] = 1000 * q[..., 0, :]  # row 0 sees only key 0; its score against key 7 is ~1000 |q_0|^2
+    backend = attnzoo.get("numpy_ref")
+    o, lse = backend.forward(q, k, v, causal=True, scale=1.0)
+    dq, dk, dv = backend.backward(do, q, k, v, o, lse, causal=True, scale=1.0)
+    ref = oracle.reference(q, k, v, do, causal=True, scale=1.0)
+    # lse is saved in float32 (the contract), hence the 1e-5 rather than float64's rounding.
+    np.testing.assert_allclose(dq, ref.dq.numpy(), atol=1e-5)
+    np.testing.assert_allclose(dk, ref.dk.numpy(), atol=1e-5)
+    np.testing.assert_allclose(dv, ref.dv.numpy(), atol=1e-5)
+
+
 def test_numpy_ref_never_holds_an_n_by_n_array():
     """Peak memory O(N*D + block^2): at N = 2048 an N x N float32 array alone would take 16 MiB."""
     n, d = 2048, 16

@@ -134,10 +134,12 @@ def backward(do, q, k, v, o, lse, problem: Problem, seqlens_k, block_m: int = 64
             rows = slice(m0, m0 + block_m)
             q_tile, do_tile = q5[..., rows, :], do5[..., rows, :]
             s = (q_tile @ k_tile.swapaxes(-1, -2)) * problem.scale
-            p = np.exp(s - lse_safe[..., rows, None])
-            p = np.where(np.isneginf(lse5[..., rows, None]), 0.0, p)
+            # P = exp(S - lse), exactly 0 for hidden keys and for rows with no visible key: their exponent is set
+            # to -inf first (a hidden score may exceed lse, and exp of the difference would overflow).
+            hidden = np.isneginf(lse5[..., rows, None])
             if mask is not None:
-                p = np.where(mask, p, 0.0)
+                hidden = hidden | ~mask
+            p = np.exp(np.where(hidden, -np.inf, s - lse_safe[..., rows, None]))
             dv_tile += (p.swapaxes(-1, -2) @ do_tile).sum(axis=2)
             dp = do_tile @ v_tile.swapaxes(-1, -2)
             ds = p * (dp - delta[..., rows, None])
