@@ -142,6 +142,51 @@ def test_too_slow_skips_that_impl_at_larger_N(tmp_path):
     assert large["status"] == "skipped: too slow at N=32 (--max-call-s)"
 
 
+def _row(mode, impl, fwd_ms, N=64):
+    shape = dict(dtype="fp16", B=1, H=2, Hkv=2, N=N, D=64, causal=False, seqlen_k=N)
+    return {**shape, "mode": mode, "impl": impl, "fwd_ms": fwd_ms, "status": "ok"}
+
+
+def test_recheck_flags_forward_times_that_cannot_differ():
+    """Same call in two modes, or two impls with one forward kernel: more than the factor apart -> re-measure."""
+    code = {"triton_2kernel": "fa2 forward", "triton_atomic": "fa2 forward", "sdpa_flash": None}
+    rows = [
+        # N=64: consistent (10% apart at most)
+        _row("fwd", "sdpa_flash", 1.0), _row("train", "sdpa_flash", 1.1),
+        _row("fwd", "triton_2kernel", 0.5), _row("fwd", "triton_atomic", 0.52),
+        # N=128: sdpa_flash's forward 2x slower in fwd mode than in train mode
+        _row("fwd", "sdpa_flash", 2.0, 128), _row("train", "sdpa_flash", 1.0, 128),
+        # N=256: two impls running the same forward kernel, 1.5x apart in train mode
+        _row("train", "triton_2kernel", 1.5, 256), _row("train", "triton_atomic", 1.0, 256),
+        # N=512: different forward code may differ freely
+        _row("fwd", "sdpa_flash", 3.0, 512), _row("fwd", "triton_2kernel", 1.0, 512),
+    ]  # fmt: skip
+    flagged = run.inconsistent_shapes(rows, 1.15, code)
+    assert sorted(shape[4] for shape in flagged) == [128, 256]
+
+
+def test_a_slow_stretch_is_measured_again(tmp_path, monkeypatch, capsys):
+    """numpy_ref's fwd-mode forward comes out 10x slow once: its shape is re-run and the CSV keeps the new rows."""
+    measure, calls, slow = run.measure, [], []
+
+    def first_fwd_slow(case, impl, inputs, args, baseline):
+        result = measure(case, impl, inputs, args, baseline)
+        calls.append(case.mode)
+        if case.mode == "fwd" and calls.count("fwd") == 1:
+            result = {**result, "fwd_ms": 10 * result["fwd_ms"], "total_ms": 10 * result["total_ms"]}
+            slow.append(result["fwd_ms"])
+        return result
+
+    monkeypatch.setattr(run, "measure", first_fwd_slow)
+    out = tmp_path / "recheck.csv"
+    argv = [*TINY, "--N", "64", "--B", "1", "--H", "1", "--causal", "no", "--impl", "numpy_ref", "--repeat", "5"]
+    assert run.main([*argv, "--recheck", "3", "--out", str(out)]) == 0
+    assert calls == ["fwd", "train", "fwd", "train"]
+    assert "re-measured" in capsys.readouterr().err
+    fwd, _train = read_csv(out)
+    assert fwd["mode"] == "fwd" and fwd["fwd_ms"] != pytest.approx(slow[0])
+
+
 def test_token_budget_sets_B_and_H():
     args = run.parse_args(["--device", "cpu", "--N", "1024,4k", "--d", "64", "--tokens", "16384", "--width", "2048"])
     cases = run.build_grid(args)

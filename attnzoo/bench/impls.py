@@ -80,6 +80,10 @@ class Impl:
         """Fraction of the score tiles skipped without work (causal/padding early exit), None if unknown."""
         return None
 
+    def forward_code(self) -> object | None:
+        """What runs this impl's forward, when another impl may run the very same (None: unknown, or its own)."""
+        return None
+
 
 def geometric_skip_ratio(
     n_q: int, n_k: int, block_m: int, block_n: int, causal: bool, seqlens_k: list[int] | None
@@ -131,6 +135,10 @@ class BackendImpl(Impl):
         if self._variant is None:
             self._variant = type(registered)(**self.options)
         return self._variant
+
+    def forward_code(self) -> object | None:
+        """The backend class's forward: triton_2kernel and triton_atomic (and its variant) share one kernel."""
+        return type(self.backend)._forward
 
     def reasons(self, inputs: Inputs) -> list[str]:
         i = inputs
