@@ -273,11 +273,15 @@ def run_case(case: Case, args, device: torch.device) -> dict:
         timing.release_memory(device)
 
 
+# The columns that say which problem a row timed (its impl and mode aside).
+SHAPE_COLUMNS = ("dtype", "B", "H", "Hkv", "N", "D", "causal", "seqlen_k")
+
+
 def fill_speedups(rows: list[dict]) -> None:
     """speedup_vs_X = time of X / time of the row, for the same case measured in the same run (total_ms)."""
 
     def key(row):
-        return tuple(row[c] for c in ("dtype", "mode", "B", "H", "Hkv", "N", "D", "causal", "seqlen_k"))
+        return (row["mode"], *(row[c] for c in SHAPE_COLUMNS))
 
     for column, ref_impl in REFERENCE_IMPLS.items():
         refs = {key(r): r["total_ms"] for r in rows if r["impl"] == ref_impl and r["status"] == STATUS_OK}
@@ -285,9 +289,6 @@ def fill_speedups(rows: list[dict]) -> None:
             ref = refs.get(key(row))
             if row["status"] == STATUS_OK and ref:
                 row[column] = ref / row["total_ms"]
-
-
-SHAPE_COLUMNS = ("dtype", "B", "H", "Hkv", "N", "D", "causal", "seqlen_k")
 
 
 def inconsistent_shapes(rows: list[dict], factor: float, forward_code: dict[str, object]) -> list[tuple]:

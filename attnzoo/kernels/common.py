@@ -46,27 +46,6 @@ def tile_pointers(base, first_row, local_rows, cols, stride_row, stride_col):
 
 
 @triton.jit
-def load_tile(ptrs, rows, row_limit, cols, head_dim, EVEN_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
-    """Load a ``[rows, BLOCK_D]`` tile; rows ``>= row_limit`` (when CHECK_ROWS) and columns ``>= head_dim`` read 0.
-
-    EVEN_D: the head dim equals the tile width (a power of two), so no column mask.  Without CHECK_ROWS and
-    with EVEN_D the load carries no predicate at all, which lets the compiler issue wide unpredicated copies
-    in the unmasked stage of the loops.
-    """
-    if CHECK_ROWS:
-        if EVEN_D:
-            tile = tl.load(ptrs, mask=rows[:, None] < row_limit, other=0.0)
-        else:
-            tile = tl.load(ptrs, mask=(rows[:, None] < row_limit) & (cols[None, :] < head_dim), other=0.0)
-    else:
-        if EVEN_D:
-            tile = tl.load(ptrs)
-        else:
-            tile = tl.load(ptrs, mask=cols[None, :] < head_dim, other=0.0)
-    return tile
-
-
-@triton.jit
 def tile_in_bounds(rows, row_limit, cols, head_dim, EVEN_D: tl.constexpr):
     """The mask of rows ``< row_limit`` and columns ``< head_dim`` of a ``[rows, BLOCK_D]`` tile.
 
@@ -79,6 +58,24 @@ def tile_in_bounds(rows, row_limit, cols, head_dim, EVEN_D: tl.constexpr):
     else:
         in_bounds = (rows[:, None] < row_limit) & (cols[None, :] < head_dim)
     return in_bounds
+
+
+@triton.jit
+def load_tile(ptrs, rows, row_limit, cols, head_dim, EVEN_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """Load a ``[rows, BLOCK_D]`` tile; rows ``>= row_limit`` (when CHECK_ROWS) and columns ``>= head_dim`` read 0.
+
+    EVEN_D: the head dim equals the tile width (a power of two), so no column mask.  Without CHECK_ROWS and
+    with EVEN_D the load carries no predicate at all, which lets the compiler issue wide unpredicated copies
+    in the unmasked stage of the loops.
+    """
+    if CHECK_ROWS:
+        tile = tl.load(ptrs, mask=tile_in_bounds(rows, row_limit, cols, head_dim, EVEN_D), other=0.0)
+    else:
+        if EVEN_D:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=cols[None, :] < head_dim, other=0.0)
+    return tile
 
 
 @triton.jit
