@@ -63,6 +63,7 @@ def reference(
     seqlens_k=None,
     stored_dtype=None,
     device: torch.device | str = "cpu",
+    stored_o=None,
 ) -> Result:
     """Exact attention in float64 (the judge), on the CPU unless ``device`` says otherwise (the GPU tests judge
     large N on the GPU).  Accepts torch tensors or numpy arrays.
@@ -73,6 +74,8 @@ def reference(
     ``stored_dtype``: compute the backward's ``Delta = rowsum(dO * O)`` from ``dO`` and ``O`` rounded to this
     dtype and summed in float32, as every backend does (the contract hands the backward the forward's ``o`` in
     the input dtype), instead of the exact ``rowsum(dP * P)``; the difference is the error this step brings.
+    ``stored_o``: the ``o`` a backend's forward returned, to use there instead of the exact ``o`` rounded to
+    ``stored_dtype`` (a backend's ``o`` may round to the other side, and its backward is handed its own ``o``).
     """
     q, k, v = (_as_torch(x).detach().to(device, torch.float64) for x in (q, k, v))
     B, H, Nq, D = q.shape
@@ -98,7 +101,8 @@ def reference(
             delta = (dp * p).sum(-1, keepdim=True)
         else:  # what a backend can do: dO and O as stored, summed in float32 (float64 for float64 inputs)
             acc = torch.float64 if stored_dtype == torch.float64 else torch.float32
-            stored_o, stored_do = o.to(stored_dtype).to(acc), do.to(stored_dtype).to(acc)
+            stored_o = o.to(stored_dtype) if stored_o is None else _as_torch(stored_o).detach().to(device)
+            stored_o, stored_do = stored_o.to(acc), do.to(stored_dtype).to(acc)
             delta = (stored_do * stored_o).sum(-1, keepdim=True).double()
         ds = p * (dp - delta)
         result.dq = (ds @ k_full) * scale
@@ -217,9 +221,12 @@ def check_output(name: str, got, ref: Tensor, baseline, dtype: torch.dtype, cont
     return Check(error, bound, message)
 
 
-def contract_errors(q, k, v, do, exact: Result, causal: bool = False, scale=None, seqlens_k=None) -> dict[str, float]:
+def contract_errors(
+    q, k, v, do, exact: Result, causal: bool = False, scale=None, seqlens_k=None, stored_o=None
+) -> dict[str, float]:
     """Per gradient, the max change of the exact result when Delta comes from the stored ``o`` (see
-    :func:`reference`'s ``stored_dtype``).
+    :func:`reference`'s ``stored_dtype``): the backend's own ``o`` when ``stored_o`` is given (what its backward
+    received), else the exact ``o`` correctly rounded.
 
     Any backend that follows the contract (forward returns ``o`` in the input dtype, backward receives it) carries
     this error in dq and dk.  It can exceed plain PyTorch's own error when dS = P (dP - Delta) is small against
@@ -228,7 +235,9 @@ def contract_errors(q, k, v, do, exact: Result, causal: bool = False, scale=None
     dtype = _as_torch(q).dtype
     if dtype == torch.float64:
         return {}
-    stored = reference(q, k, v, do, causal, scale, seqlens_k, stored_dtype=dtype, device=exact.o.device)
+    stored = reference(
+        q, k, v, do, causal, scale, seqlens_k, stored_dtype=dtype, device=exact.o.device, stored_o=stored_o
+    )
     return {
         name: float((getattr(stored, name) - getattr(exact, name)).abs().max()) if exact.dq.numel() else 0.0
         for name in ("dq", "dk")

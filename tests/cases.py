@@ -148,7 +148,7 @@ def run_and_check(backend: attnzoo.Backend, case: Case, device: str = "cpu") -> 
     assert lse.dtype == torch.float32 and tuple(lse.shape) == (case.batch, case.heads, case.seqlen_q)
     ref = oracle.reference(x["q"], x["k"], x["v"], x["do"], **kw)
     base = oracle.plain_torch(x["q"], x["k"], x["v"], x["do"], **kw) if case.dtype in LOW_PRECISION else None
-    contract = oracle.contract_errors(x["q"], x["k"], x["v"], x["do"], ref, **kw)
+    contract = oracle.contract_errors(x["q"], x["k"], x["v"], x["do"], ref, stored_o=o, **kw)
     ratios = {}
     for name, got in (("o", o), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
         baseline = None if base is None else getattr(base, name)

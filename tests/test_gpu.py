@@ -89,7 +89,8 @@ def _gpu_oracle_errors(outputs, q, k, v, do, causal, seqlens):
                 h = hkv * group + g
                 args = [x[b : b + 1, i : i + 1] for x, i in ((q, h), (k, hkv), (v, hkv), (do, h))]
                 ref = oracle.reference(*args, **kw, device=CUDA)
-                stored = oracle.reference(*args, **kw, stored_dtype=dtype, device=CUDA)
+                stored_o = got["o"][b : b + 1, h : h + 1]
+                stored = oracle.reference(*args, **kw, stored_dtype=dtype, device=CUDA, stored_o=stored_o)
                 base = oracle.plain_torch(*args, **kw) if low_precision else None
                 for name in ("o", "lse", "dq"):
                     account(
@@ -149,7 +150,7 @@ def _small_check(outputs, q, k, v, do, causal, sl):
     """Check five outputs against the CPU float64 oracle (small shapes), as the property tests do."""
     ref = oracle.reference(q, k, v, do, causal=causal, seqlens_k=sl)
     base = oracle.plain_torch(q, k, v, do, causal, None, sl) if q.dtype in oracle.LOW_PRECISION else None
-    contract = oracle.contract_errors(q, k, v, do, ref, causal=causal, seqlens_k=sl)
+    contract = oracle.contract_errors(q, k, v, do, ref, causal=causal, seqlens_k=sl, stored_o=outputs[0])
     for name, got in zip(NAMES, outputs, strict=True):
         baseline = None if base is None else getattr(base, name)
         check = oracle.check_output(name, got, getattr(ref, name), baseline, q.dtype, contract.get(name, 0.0))

@@ -141,3 +141,15 @@ def test_fully_masked_rows_give_zero_output_and_gradients(name):
     assert torch.equal(dk[0], torch.zeros_like(dk[0])) and torch.equal(dv[0], torch.zeros_like(dv[0]))
     # batch 1 sees keys 0..2 only: keys 3.. get no gradient, and no row is fully masked.
     assert torch.equal(dk[1, :, 3:], torch.zeros_like(dk[1, :, 3:])) and torch.isfinite(lse[1]).all()
+
+
+@pytest.mark.parametrize("name", attnzoo.names())
+def test_gradients_are_judged_with_delta_from_the_backends_own_o(name):
+    """The backward is handed the forward's ``o``, so Delta = rowsum(dO * o) uses that ``o``.  Here (one query,
+    few keys, D=96, fp16; found by the property test) the Triton forward's ``o`` rounds to the other side of the
+    exact ``o`` in some elements, which moves the exact dq by more than plain PyTorch's error; judged with Delta
+    from the correctly rounded ``o`` the Triton backends failed by 2%, judged with their own ``o`` they pass."""
+    backend = attnzoo.get(name)
+    case = Case(1, 1, 1, 1, 11, 96, False, None, torch.float16, "contiguous", -0.8440107302934936, 111212770)
+    if not _run_if_supported(backend, case):
+        pytest.skip(f"{name} does not run float16 on {DEVICE}")
