@@ -172,13 +172,17 @@ def q_loop_bounds(
 
 
 @triton.jit
-def online_softmax_step(acc, m_i, l_i, scores, v_tile, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One FA2 online-softmax update with a ``[BLOCK_M, BLOCK_N]`` tile of base-2 scores (``-inf`` = hidden).
+def online_softmax_step(acc, m_i, l_i, qk, qk_scale, v_tile, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One FA2 online-softmax update with a ``[BLOCK_M, BLOCK_N]`` tile ``qk`` of scores (``-inf`` = hidden).
 
+    The base-2 scores are ``qk * qk_scale`` with ``qk_scale > 0``; the scale is applied inside ``exp2``'s
+    argument, one FFMA per score instead of a multiply and a subtract, which matters where the softmax's
+    per-score instructions compete with the matrix products (small head dims).  Because the scale is positive,
+    the row max of the scaled scores is the row max of ``qk`` times the scale.
     m_i: running row max (base 2), l_i: running row sum of ``exp2(s2 - m_i)``, acc: unnormalised output.
     Normalisation is deferred to the end of the loop (one division per row instead of one per tile).
     """
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     if MASKED:
         # A row that has seen no visible key keeps m = -inf; shifting by 0 keeps exp2(-inf - -inf) = NaN out
         # (alpha and p are then exactly 0).  Unmasked tiles always raise m to a finite value.
@@ -186,7 +190,7 @@ def online_softmax_step(acc, m_i, l_i, scores, v_tile, MASKED: tl.constexpr, DOT
     else:
         m_shift = m_new
     alpha = tl.math.exp2(m_i - m_shift)
-    p = tl.math.exp2(scores - m_shift[:, None])
+    p = tl.math.exp2(qk * qk_scale - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v_tile.dtype), v_tile, acc, input_precision=DOT_PRECISION)

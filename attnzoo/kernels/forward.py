@@ -55,9 +55,13 @@ def _forward_stage(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     MASKED: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Stream K/V tiles ``[lo, hi)`` through the online softmax (MASKED: apply the visibility mask)."""
+    """Stream K/V tiles ``[lo, hi)`` through the online softmax (MASKED: apply the visibility mask).
+
+    FOLD_SCALE: ``qk_scale > 0``, so the scale can be folded into the softmax's exponent (one FFMA per score).
+    """
     local_n = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
@@ -71,10 +75,17 @@ def _forward_stage(
             EVEN_D,
             MASKED,
         )
-        scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
+        if FOLD_SCALE:
+            step_scale = qk_scale
+        else:
+            # A negative (or zero) scale: the max of the raw scores is not that of the scaled ones, and a hidden
+            # -inf times it would not stay -inf.  Scale first, then the step multiplies by 1.
+            qk = qk * qk_scale
+            step_scale = 1.0
         if MASKED:
             visible = key_visible(rows[:, None], keys[None, :], diagonal_offset, seqlen_k_b, CAUSAL)
-            scores = tl.where(visible, scores, float("-inf"))
+            qk = tl.where(visible, qk, float("-inf"))
         v_tile = load_tile(
             tile_pointers(v_head, start_n, local_n, cols, stride_vn, stride_vd),
             keys,
@@ -84,7 +95,7 @@ def _forward_stage(
             EVEN_D,
             MASKED,
         )
-        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, scores, v_tile, MASKED, DOT_PRECISION)
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, qk, step_scale, v_tile, MASKED, DOT_PRECISION)
         visited += 1
     return acc, m_i, l_i, visited
 
@@ -128,6 +139,7 @@ def attention_forward_kernel(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_SEQLENS: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DEBUG: tl.constexpr,
 ):
@@ -168,12 +180,12 @@ def attention_forward_kernel(
     acc, m_i, l_i, visited = _forward_stage(
         acc, m_i, l_i, visited, q_tile, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, rows,
         0, unmasked_end, diagonal_offset, seqlen_k_b, qk_scale,
-        head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, False, DOT_PRECISION,
+        head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, False, FOLD_SCALE, DOT_PRECISION,
     )  # fmt: skip
     acc, m_i, l_i, visited = _forward_stage(
         acc, m_i, l_i, visited, q_tile, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, rows,
         unmasked_end, end, diagonal_offset, seqlen_k_b, qk_scale,
-        head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION,
+        head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, True, FOLD_SCALE, DOT_PRECISION,
     )  # fmt: skip
 
     # Rows with no visible key: l = 0, acc = 0, m = -inf -> o = 0, lse = -inf (no NaN).
@@ -213,7 +225,8 @@ def attention_forward(ctx: LaunchContext) -> tuple[torch.Tensor, torch.Tensor]:
             *q.stride(), *k.stride(), *v.stride(), *o.stride(),
             H, ctx.group_size, Nq, ctx.seqlen_k, num_m_blocks, ctx.scale * LOG2E,
             head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug,
+            CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens,
+            FOLD_SCALE=ctx.scale > 0, DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
