@@ -54,6 +54,7 @@ def source(kernel, dtype: str, d: int, cfg: KernelConfig, causal: bool, q_tail: 
     flags = dict(
         EVEN_D=d == block_d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
         HAS_SEQLENS=False, DOT_PRECISION="ieee", DEBUG=False, Q_TAIL=q_tail, DELTA_RECOMPUTE=False, FOLD_SCALE=True,
+        MASK_STAGE=causal,
     )  # fmt: skip
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):

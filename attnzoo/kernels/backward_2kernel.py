@@ -224,6 +224,7 @@ def dkdv_kernel(
     CAUSAL: tl.constexpr,
     HAS_SEQLENS: tl.constexpr,
     Q_TAIL: tl.constexpr,
+    MASK_STAGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DEBUG: tl.constexpr,
 ):
@@ -232,6 +233,8 @@ def dkdv_kernel(
     For grouped-query attention the program also loops over the ``group_size`` query heads that read this
     K/V head, summing their contributions in registers.  dk and dv share strides (both allocated contiguous).
     Q_TAIL: ``seqlen_q`` is not a multiple of BLOCK_M (the streamed Q-side loads need row predicates).
+    MASK_STAGE: some tile may need the mask (``LaunchContext.mask_stage_needed``); without it the masked loop is not
+    compiled at all.
     DEBUG writes (visited, skipped) Q tile counts, summed over the group.
     """
     pid = tl.program_id(0)
@@ -266,11 +269,12 @@ def dkdv_kernel(
         q_head = head_pointer(q_ptr, batch, head, stride_qb, stride_qh)
         do_head = head_pointer(do_ptr, batch, head, stride_dob, stride_doh)
         row_offset = (batch * num_heads + head).to(tl.int64) * seqlen_q
-        dk, dv, visited = _dkdv_stage(
-            dk, dv, visited, k_tile, v_tile, q_head, do_head, lse_ptr + row_offset, delta_ptr + row_offset,
-            stride_qm, stride_qd, stride_dom, stride_dod, keys, lo, unmasked_lo, seqlen_q, diagonal_offset,
-            seqlen_k_b, qk_scale, head_dim, EVEN_D, BLOCK_D, BLOCK_M, CAUSAL, True, Q_TAIL, DOT_PRECISION,
-        )  # fmt: skip
+        if MASK_STAGE:
+            dk, dv, visited = _dkdv_stage(
+                dk, dv, visited, k_tile, v_tile, q_head, do_head, lse_ptr + row_offset, delta_ptr + row_offset,
+                stride_qm, stride_qd, stride_dom, stride_dod, keys, lo, unmasked_lo, seqlen_q, diagonal_offset,
+                seqlen_k_b, qk_scale, head_dim, EVEN_D, BLOCK_D, BLOCK_M, CAUSAL, True, Q_TAIL, DOT_PRECISION,
+            )  # fmt: skip
         dk, dv, visited = _dkdv_stage(
             dk, dv, visited, k_tile, v_tile, q_head, do_head, lse_ptr + row_offset, delta_ptr + row_offset,
             stride_qm, stride_qd, stride_dom, stride_dod, keys, unmasked_lo, hi, seqlen_q, diagonal_offset,
@@ -402,10 +406,14 @@ def dq_kernel(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_SEQLENS: tl.constexpr,
+    MASK_STAGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DEBUG: tl.constexpr,
 ):
-    """Kernel B: dQ of one Q block of one (batch, head); grid: 1-d, num_m_blocks * B * H programs."""
+    """Kernel B: dQ of one Q block of one (batch, head); grid: 1-d, num_m_blocks * B * H programs.
+
+    MASK_STAGE: some tile may need the mask (``LaunchContext.mask_stage_needed``).
+    """
     pid = tl.program_id(0)
     bh = pid // num_m_blocks
     m_block = pid % num_m_blocks
@@ -445,11 +453,12 @@ def dq_kernel(
         rows, 0, unmasked_end, diagonal_offset, seqlen_k_b, qk_scale,
         head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, False, DOT_PRECISION,
     )  # fmt: skip
-    dq, visited = _dq_stage(
-        dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
-        rows, unmasked_end, end, diagonal_offset, seqlen_k_b, qk_scale,
-        head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION,
-    )  # fmt: skip
+    if MASK_STAGE:
+        dq, visited = _dq_stage(
+            dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
+            rows, unmasked_end, end, diagonal_offset, seqlen_k_b, qk_scale,
+            head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION,
+        )  # fmt: skip
     dq_head = head_pointer(dq_ptr, batch, head, stride_dqb, stride_dqh)
     store_tile(
         tile_pointers(dq_head, start_m, local_m, cols, stride_dqm, stride_dqd),
@@ -490,6 +499,7 @@ def attention_backward_2kernel(
             H, Hkv, ctx.group_size, Nq, Nk, num_n_blocks, ctx.scale, qk_scale,
             head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, Q_TAIL=Nq % cfg.block_m != 0,
+            MASK_STAGE=ctx.mask_stage_needed(cfg.block_n),
             DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
@@ -500,8 +510,8 @@ def attention_backward_2kernel(
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
             H, ctx.group_size, Nq, Nk, num_m_blocks, ctx.scale, qk_scale,
             head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, MASK_STAGE=ctx.mask_stage_needed(cfg.block_n),
+            DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
     ctx.run("dkdv", launch_dkdv)

@@ -140,6 +140,7 @@ def attention_forward_kernel(
     CAUSAL: tl.constexpr,
     HAS_SEQLENS: tl.constexpr,
     FOLD_SCALE: tl.constexpr,
+    MASK_STAGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DEBUG: tl.constexpr,
 ):
@@ -147,7 +148,8 @@ def attention_forward_kernel(
 
     Consecutive programs share a (batch, head), so its K/V stays in L2 across them.  With CAUSAL the block
     order is reversed so that the longest rows (most K/V tiles) start first and the tail of the grid is short.
-    DEBUG writes (visited, skipped) K/V tile counts of the program to ``counts_ptr``.
+    MASK_STAGE: some tile may need the mask (``LaunchContext.mask_stage_needed``); without it the masked loop is not
+    compiled.  DEBUG writes (visited, skipped) K/V tile counts of the program to ``counts_ptr``.
     """
     pid = tl.program_id(0)
     bh = pid // num_m_blocks
@@ -182,11 +184,12 @@ def attention_forward_kernel(
         0, unmasked_end, diagonal_offset, seqlen_k_b, qk_scale,
         head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, False, FOLD_SCALE, DOT_PRECISION,
     )  # fmt: skip
-    acc, m_i, l_i, visited = _forward_stage(
-        acc, m_i, l_i, visited, q_tile, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, rows,
-        unmasked_end, end, diagonal_offset, seqlen_k_b, qk_scale,
-        head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, True, FOLD_SCALE, DOT_PRECISION,
-    )  # fmt: skip
+    if MASK_STAGE:
+        acc, m_i, l_i, visited = _forward_stage(
+            acc, m_i, l_i, visited, q_tile, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, rows,
+            unmasked_end, end, diagonal_offset, seqlen_k_b, qk_scale,
+            head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, True, FOLD_SCALE, DOT_PRECISION,
+        )  # fmt: skip
 
     # Rows with no visible key: l = 0, acc = 0, m = -inf -> o = 0, lse = -inf (no NaN).
     empty = l_i == 0.0
@@ -225,8 +228,8 @@ def attention_forward(ctx: LaunchContext) -> tuple[torch.Tensor, torch.Tensor]:
             *q.stride(), *k.stride(), *v.stride(), *o.stride(),
             H, ctx.group_size, Nq, ctx.seqlen_k, num_m_blocks, ctx.scale * LOG2E,
             head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens,
-            FOLD_SCALE=ctx.scale > 0, DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug,
+            CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, FOLD_SCALE=ctx.scale > 0,
+            MASK_STAGE=ctx.mask_stage_needed(cfg.block_n), DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 

@@ -90,6 +90,12 @@ class LaunchContext:
         self._dummy_counts = _placeholder(device)  # never written
         self._running: str | None = None
 
+    def mask_stage_needed(self, block_n: int) -> bool:
+        """Whether some tile of ``block_n`` keys needs the visibility mask: a causal diagonal, ``seqlens_k``, or a
+        last K/V tile cut by Nk.  When none does, the kernels leave their masked loop out at compile time: the
+        loop would run no iteration, but its code alone costs registers in kernels that sit at the limit."""
+        return self.causal or self.has_seqlens or self.seqlen_k % block_n != 0
+
     def new_output(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous output buffer that the kernels write completely (NaN-filled under ATTNZOO_POISON_OUTPUTS=1)."""
         return new_output(shape, dtype, self.q.device)
