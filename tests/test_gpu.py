@@ -130,6 +130,9 @@ LARGE = [
     (torch.float32, 1, 2, 1, 2048, 2048, 128, True, None),
     (torch.bfloat16, 2, 4, 1, 4096, 4096, 128, True, [0, 3000]),
     (torch.float16, 1, 3, 3, 1000, 1000, 80, False, None),
+    # No tile needs the mask (the kernels compile without their masked loop); D=64 folds the scale into exp2.
+    (torch.float16, 1, 4, 2, 8192, 8192, 64, False, None),
+    (torch.bfloat16, 2, 2, 2, 4096, 4096, 128, False, None),
 ]
 
 

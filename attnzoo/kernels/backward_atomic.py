@@ -205,12 +205,14 @@ def atomic_backward_kernel(
     CAUSAL: tl.constexpr,
     HAS_SEQLENS: tl.constexpr,
     DELTA_RECOMPUTE: tl.constexpr,
+    MASK_STAGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DEBUG: tl.constexpr,
 ):
     """dQ of one Q block and its dK/dV contributions; grid: 1-d, num_m_blocks * B * H programs.
 
-    DEBUG writes (visited, skipped) K/V tile counts of the main (atomic) pass.
+    MASK_STAGE: some tile may need the mask (``LaunchContext.mask_stage_needed``); without it the masked loops
+    are not compiled.  DEBUG writes (visited, skipped) K/V tile counts of the main (atomic) pass.
     """
     pid = tl.program_id(0)
     bh = pid // num_m_blocks
@@ -252,11 +254,12 @@ def atomic_backward_kernel(
             rows, 0, unmasked_end, diagonal_offset, seqlen_k_b, qk_scale,
             head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, False, DOT_PRECISION,
         )  # fmt: skip
-        delta = _delta_recompute_stage(
-            delta, q_tile, do_tile, lse2, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
-            rows, unmasked_end, end, diagonal_offset, seqlen_k_b, qk_scale,
-            head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION,
-        )  # fmt: skip
+        if MASK_STAGE:
+            delta = _delta_recompute_stage(
+                delta, q_tile, do_tile, lse2, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
+                rows, unmasked_end, end, diagonal_offset, seqlen_k_b, qk_scale,
+                head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION,
+            )  # fmt: skip
     else:
         delta = tl.load(delta_ptr + row_offset + rows, mask=rows < seqlen_q, other=0.0)
 
@@ -267,11 +270,13 @@ def atomic_backward_kernel(
         stride_kn, stride_kd, stride_vn, stride_vd, stride_accn, rows, 0, unmasked_end, diagonal_offset,
         seqlen_k, seqlen_k_b, sm_scale, qk_scale, head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, False, DOT_PRECISION,
     )  # fmt: skip
-    dq, visited = _atomic_stage(
-        dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, dk_head, dv_head,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_accn, rows, unmasked_end, end, diagonal_offset,
-        seqlen_k, seqlen_k_b, sm_scale, qk_scale, head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION,
-    )  # fmt: skip
+    if MASK_STAGE:
+        dq, visited = _atomic_stage(
+            dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, dk_head, dv_head,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_accn, rows, unmasked_end, end, diagonal_offset,
+            seqlen_k, seqlen_k_b, sm_scale, qk_scale, head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, True,
+            DOT_PRECISION,
+        )  # fmt: skip
     dq_head = head_pointer(dq_ptr, batch, head, stride_dqb, stride_dqh)
     store_tile(
         tile_pointers(dq_head, start_m, local_m, cols, stride_dqm, stride_dqd),
@@ -322,7 +327,7 @@ def attention_backward_atomic(
             H, ctx.group_size, Nq, Nk, num_m_blocks, ctx.scale, ctx.scale * LOG2E,
             head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, DELTA_RECOMPUTE=recompute,
-            DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug,
+            MASK_STAGE=ctx.mask_stage_needed(cfg.block_n), DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 

@@ -60,7 +60,8 @@ def _forward_stage(
 ):
     """Stream K/V tiles ``[lo, hi)`` through the online softmax (MASKED: apply the visibility mask).
 
-    FOLD_SCALE: ``qk_scale > 0``, so the scale can be folded into the softmax's exponent (one FFMA per score).
+    FOLD_SCALE: fold ``qk_scale`` (then positive) into the softmax's exponent, one FFMA per score
+    (``LaunchContext.fold_scale`` says when).
     """
     local_n = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
@@ -79,8 +80,8 @@ def _forward_stage(
         if FOLD_SCALE:
             step_scale = qk_scale
         else:
-            # A negative (or zero) scale: the max of the raw scores is not that of the scaled ones, and a hidden
-            # -inf times it would not stay -inf.  Scale first, then the step multiplies by 1.
+            # Scale first, then the step multiplies by 1.  (A negative or zero scale could not be folded: the
+            # max of the raw scores is not that of the scaled ones, and a hidden -inf times it is not -inf.)
             qk = qk * qk_scale
             step_scale = 1.0
         if MASKED:
@@ -228,7 +229,7 @@ def attention_forward(ctx: LaunchContext) -> tuple[torch.Tensor, torch.Tensor]:
             *q.stride(), *k.stride(), *v.stride(), *o.stride(),
             H, ctx.group_size, Nq, ctx.seqlen_k, num_m_blocks, ctx.scale * LOG2E,
             head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, FOLD_SCALE=ctx.scale > 0,
+            CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, FOLD_SCALE=ctx.fold_scale,
             MASK_STAGE=ctx.mask_stage_needed(cfg.block_n), DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip

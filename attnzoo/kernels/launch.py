@@ -82,6 +82,11 @@ class LaunchContext:
         self.block_d = head_dim_tile(self.q.shape[3])
         self.even_d = self.q.shape[3] == self.block_d  # no column mask needed
         self.dot_precision = dot_precision(self.q.dtype)
+        # The forward folds a positive scale into exp2's argument (one FFMA per score instead of FMUL + FADD)
+        # where the softmax's instructions rival the matrix products: head dims up to 64.  At D = 128 the
+        # products dominate, and on the H100 the fold cost 8% in the causal forward (more registers: ptxas
+        # spills 48 B at 128 x 128), so it is kept to the small tiles (docs/NOTES-kernels.md).
+        self.fold_scale = self.scale > 0 and self.block_d <= 64
         self.has_seqlens = self.seqlens_k is not None
         if self.has_seqlens:
             self.seqlens = self.seqlens_k.to(device=device, dtype=torch.int32).contiguous()
