@@ -53,8 +53,8 @@ def source(kernel, dtype: str, d: int, cfg: KernelConfig, causal: bool, q_tail: 
     block_d = head_dim_tile(d)
     flags = dict(
         EVEN_D=d == block_d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
-        HAS_SEQLENS=False, DOT_PRECISION="ieee", DEBUG=False, Q_TAIL=q_tail, DELTA_RECOMPUTE=False, FOLD_SCALE=block_d <= 64,
-        MASK_STAGE=causal,
+        HAS_SEQLENS=False, DOT_PRECISION="ieee", DEBUG=False, Q_TAIL=q_tail, DELTA_RECOMPUTE=False,
+        FOLD_SCALE=block_d <= 64, MASK_STAGE=causal,  # as LaunchContext sets them for a positive scale, N % 128 == 0
     )  # fmt: skip
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):

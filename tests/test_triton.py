@@ -236,6 +236,21 @@ def test_autotuner_resets_accumulators_before_every_launch(monkeypatch):
     assert torch.equal(out, torch.full((4,), 32.0))
 
 
+def test_autotuner_describes_its_choice_fastest_first(monkeypatch):
+    """The line `attnzoo bench` logs per tuned key: every candidate, as its time over the fastest's."""
+    times = {KernelConfig(64, 64, 4, 2): 2.0, KernelConfig(32, 64, 4, 2): 1.0, KernelConfig(16, 16, 1, 1): 1.5}
+    configs = list(times)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: times[configs[len(calls) - 1]])
+    calls = []
+    tuner = Autotuner()
+    key = ("dkdv", 128, torch.float16, True, False, 4096, 4096, "ieee", 0)
+    assert tuner.choose(key, configs, calls.append, None) == KernelConfig(32, 64, 4, 2)
+    assert tuner.describe(key) == (
+        "dkdv BLOCK_D=128 float16 causal=True seqlens=False Nq<=4096 Nk<=4096: "
+        "32x64 w4 s2 1.00, 16x16 w1 s1 1.50, 64x64 w4 s2 2.00"
+    )
+
+
 def test_candidates_pruned_by_shared_memory(monkeypatch):
     monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 100_000)
     fitting = tuning.candidates("forward", 128, torch.float16, torch.device("cpu"))

@@ -163,5 +163,18 @@ class Autotuner:
         self.best[key], self.timings[key] = best, timings
         return best
 
+    def describe(self, key: tuple) -> str:
+        """One line for a tuned key: the candidates fastest first, each as its time over the fastest's."""
+        timings = sorted(self.timings[key].items(), key=lambda item: item[1])
+        fastest = timings[0][1]
+        ranked = ", ".join(
+            f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} {t / fastest:.2f}" for c, t in timings
+        )
+        kernel, block_d, dtype, causal, has_seqlens, nq, nk = key[:7]
+        return (
+            f"{kernel} BLOCK_D={block_d} {str(dtype).removeprefix('torch.')} causal={causal} "
+            f"seqlens={has_seqlens} Nq<={nq} Nk<={nk}: {ranked}"
+        )
+
 
 AUTOTUNER = Autotuner()
