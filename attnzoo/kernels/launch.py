@@ -84,7 +84,7 @@ class LaunchContext:
         self.dot_precision = dot_precision(self.q.dtype)
         # The forward folds a positive scale into exp2's argument (one FFMA per score instead of FMUL + FADD)
         # where the softmax's instructions rival the matrix products: head dims up to 64.  At D = 128 the
-        # products dominate, and on the H100 the fold cost 8% in the causal forward (more registers: ptxas
+        # products dominate, and on the H100 the fold cost 5-9% in the causal forward (more registers: ptxas
         # spills 48 B at 128 x 128), so it is kept to the small tiles (docs/NOTES-kernels.md).
         self.fold_scale = self.scale > 0 and self.block_d <= 64
         self.has_seqlens = self.seqlens_k is not None
