@@ -30,6 +30,7 @@ from triton.compiler import ASTSource
 from attnzoo.kernels.backward_2kernel import dkdv_kernel, dq_kernel
 from attnzoo.kernels.backward_atomic import atomic_backward_kernel
 from attnzoo.kernels.forward import attention_forward_kernel
+from attnzoo.kernels.launch import folds_scale
 from attnzoo.kernels.tuning import CANDIDATES, KernelConfig, head_dim_tile
 
 KERNELS = {"forward": attention_forward_kernel, "dkdv": dkdv_kernel, "dq": dq_kernel, "atomic": atomic_backward_kernel}
@@ -54,7 +55,7 @@ def source(kernel, dtype: str, d: int, cfg: KernelConfig, causal: bool, q_tail: 
     flags = dict(
         EVEN_D=d == block_d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
         HAS_SEQLENS=False, DOT_PRECISION="ieee", DEBUG=False, Q_TAIL=q_tail, DELTA_RECOMPUTE=False,
-        FOLD_SCALE=block_d <= 64, MASK_STAGE=causal,  # as LaunchContext sets them for a positive scale, N % 128 == 0
+        FOLD_SCALE=folds_scale(1.0, block_d), MASK_STAGE=causal,  # MASK_STAGE as for N % 128 == 0, no seqlens_k
     )  # fmt: skip
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):

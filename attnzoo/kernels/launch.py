@@ -47,6 +47,16 @@ def grid_1d(programs: int) -> tuple[int]:
     return (programs,)
 
 
+def folds_scale(scale: float, block_d: int) -> bool:
+    """Whether the forward folds the softmax scale into exp2's argument (one FFMA per score instead of FMUL + FADD).
+
+    Only where the softmax's instructions rival the matrix products: head-dim tiles up to 64.  At 128 the products
+    dominate, and on the H100 the fold cost 5-9% in the causal forward (more registers: ptxas spills 48 B at
+    128 x 128; docs/NOTES-kernels.md).  Never for a scale <= 0 (the kernel's FOLD_SCALE path needs it positive).
+    """
+    return scale > 0 and block_d <= 64
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` input precision: full IEEE float32 unless PyTorch allows TF32 matmuls (ignored for fp16/bf16)."""
     if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not triton_interpreter_active():
@@ -82,11 +92,7 @@ class LaunchContext:
         self.block_d = head_dim_tile(self.q.shape[3])
         self.even_d = self.q.shape[3] == self.block_d  # no column mask needed
         self.dot_precision = dot_precision(self.q.dtype)
-        # The forward folds a positive scale into exp2's argument (one FFMA per score instead of FMUL + FADD)
-        # where the softmax's instructions rival the matrix products: head dims up to 64.  At D = 128 the
-        # products dominate, and on the H100 the fold cost 5-9% in the causal forward (more registers: ptxas
-        # spills 48 B at 128 x 128), so it is kept to the small tiles (docs/NOTES-kernels.md).
-        self.fold_scale = self.scale > 0 and self.block_d <= 64
+        self.fold_scale = folds_scale(self.scale, self.block_d)
         self.has_seqlens = self.seqlens_k is not None
         if self.has_seqlens:
             self.seqlens = self.seqlens_k.to(device=device, dtype=torch.int32).contiguous()
