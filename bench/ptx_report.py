@@ -56,6 +56,7 @@ def source(kernel, dtype: str, d: int, cfg: KernelConfig, causal: bool, q_tail: 
         EVEN_D=d == block_d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
         HAS_SEQLENS=False, DOT_PRECISION="ieee", DEBUG=False, Q_TAIL=q_tail, DELTA_RECOMPUTE=False,
         FOLD_SCALE=folds_scale(1.0, block_d), MASK_STAGE=causal,  # MASK_STAGE as for N % 128 == 0, no seqlens_k
+        USE_TMA=cfg.tma,
     )  # fmt: skip
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):
@@ -63,6 +64,9 @@ def source(kernel, dtype: str, d: int, cfg: KernelConfig, causal: bool, q_tail: 
             signature[name], constexprs[(i,)] = "constexpr", flags[name]
         elif name.startswith("stride") and name.endswith("d"):  # the head-dim stride of a contiguous tensor
             signature[name], constexprs[(i,)] = "constexpr", 1
+        elif name.endswith("_desc"):  # the forward's K/V: a [1, 1, BLOCK_N, BLOCK_D] box, or an unused pointer
+            box = f"1, 1, {cfg.block_n}, {block_d}"
+            signature[name] = f"tensordesc<{DTYPES[dtype]}[{box}]>" if cfg.tma else f"*{DTYPES[dtype]}"
         elif name.endswith("_ptr"):
             elem = "fp32" if name in FLOAT32_POINTERS else "i32" if name in INT32_POINTERS else DTYPES[dtype]
             signature[name], attrs[(i,)] = f"*{elem}", [["tt.divisibility", 16]]
@@ -106,23 +110,29 @@ def report(kernel_name: str, dtype: str, d: int, cfg: KernelConfig, causal: bool
     )
 
 
+def _parse_config(text: str) -> KernelConfig:
+    """``BLOCK_M,BLOCK_N,warps,stages[,tma]`` -> KernelConfig."""
+    fields = text.split(",")
+    return KernelConfig(*map(int, fields[:4]), tma=fields[4:] == ["tma"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernel", default="forward,dkdv,dq", help="comma list of " + ", ".join(KERNELS))
     parser.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
     parser.add_argument("--d", default="128", help="head dims, comma list")
-    parser.add_argument("--config", help="BLOCK_M,BLOCK_N,warps,stages (default: every autotuning candidate)")
+    parser.add_argument("--config", help="BLOCK_M,BLOCK_N,warps,stages[,tma] (default: every autotuning candidate)")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--q-tail", action="store_true", help="dkdv: Nq not a multiple of BLOCK_M")
     args = parser.parse_args(argv)
     for name in args.kernel.split(","):
-        configs = [KernelConfig(*map(int, args.config.split(",")))] if args.config else CANDIDATES[name]
+        configs = [_parse_config(args.config)] if args.config else CANDIDATES[name]
         for d in map(int, args.d.split(",")):
             for cfg in configs:
                 r = report(name, args.dtype, d, cfg, args.causal, args.q_tail)
                 widths = lambda counts: " ".join(f"{n}x{w}" for w, n in sorted(counts.items())) or "-"  # noqa: E731
                 print(
-                    f"{name} {args.dtype} D={d} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}: "
+                    f"{name} {args.dtype} D={d} {cfg}: "
                     f"{r['registers']} registers, spill {r['spill_stores']}/{r['spill_loads']} B stored/loaded, "
                     f"stores {widths(r['stores'])}, reductions {widths(r['reductions'])}",
                     flush=True,

@@ -6,6 +6,7 @@ handling of accumulation buffers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -18,7 +19,8 @@ from attnzoo.backends import triton_2kernel as t2k_module
 from attnzoo.backends.triton_atomic import TritonAtomic, variant
 from attnzoo.kernels import launch as launch_module
 from attnzoo.kernels import tuning
-from attnzoo.kernels.launch import LaunchContext, int32_addressable
+from attnzoo.kernels.forward import attention_forward
+from attnzoo.kernels.launch import LaunchContext, descriptor_loads_possible, int32_addressable
 from attnzoo.kernels.tuning import Autotuner, KernelConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -115,6 +117,40 @@ def test_tile_counts_with_unequal_blocks():
         assert torch.equal(fwd.visited, _expected_q_stationary(B, H, Hkv, Nq, Nk, causal, seqlens, bm, bn)[0])
         kv = debug.tile_counts("triton_2kernel", q, k, v, causal, sl, kernel="dkdv", block_m=bm, block_n=bn)
         assert torch.equal(kv.visited, _expected_kv_stationary(B, H, Hkv, Nq, Nk, causal, seqlens, bm, bn)[0])
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_forward_through_tensor_descriptors_equals_pointer_loads(geometry):
+    """A ``tma`` config loads the unmasked K/V tiles through 4-d tensor descriptors: the same tiles as the pointer
+    path, so the same bits out, across the masking geometries (tails, causal offsets, seqlens_k, GQA, D < BLOCK_D)."""
+    B, H, Hkv, Nq, Nk, D, causal, seqlens = geometry
+    q, k, v, _, sl = _inputs(B, H, Hkv, Nq, Nk, D, seqlens)
+    problem = attnzoo.get("triton_2kernel")._validate(q, k, v, causal, None, sl)
+    pointer_cfg = KernelConfig(16, 16, 1, 1)
+    descriptor_ctx = t2k_module.make_context(
+        q, k, v, problem, sl, forced_config=dataclasses.replace(pointer_cfg, tma=True)
+    )
+    assert descriptor_ctx.kv_descriptors
+    o, lse = attention_forward(descriptor_ctx)
+    o_ptr, lse_ptr = attention_forward(t2k_module.make_context(q, k, v, problem, sl, forced_config=pointer_cfg))
+    assert torch.equal(o, o_ptr) and torch.equal(lse, lse_ptr)
+
+
+def test_descriptor_loads_need_aligned_rows_and_a_unit_last_stride():
+    """TMA needs a 16-byte aligned base and outer strides and a contiguous last dimension; other inputs keep
+    pointer loads (a ``tma`` config then runs its pointer twin) and are still right."""
+    x = torch.randn(1, 2, 8, 17)
+    assert descriptor_loads_possible(torch.randn(1, 2, 8, 16))
+    assert not descriptor_loads_possible(x[..., :16])  # row stride 17 * 4 bytes
+    assert not descriptor_loads_possible(torch.randn(1, 2, 8, 33)[..., 1:17])  # base 4 bytes past alignment
+    assert not descriptor_loads_possible(torch.randn(1, 2, 16, 8).transpose(-1, -2))  # last stride 8
+    q, k, v, _, _ = _inputs(1, 2, 2, 8, 8, 16, None)
+    k = x[..., :16]
+    problem = attnzoo.get("triton_2kernel")._validate(q, k, v, False, None, None)
+    ctx = t2k_module.make_context(q, k, v, problem, None, forced_config=KernelConfig(16, 16, 1, 1, tma=True))
+    assert not ctx.kv_descriptors
+    o, _ = attention_forward(ctx)
+    torch.testing.assert_close(o.double(), oracle.reference(q, k, v).o, atol=1e-5, rtol=1e-5)
 
 
 def test_tile_counts_rejects_unknown_kernel():
@@ -249,6 +285,30 @@ def test_autotuner_describes_its_choice_fastest_first(monkeypatch):
         "dkdv BLOCK_D=128 float16 causal=True seqlens=False Nq<=4096 Nk<=4096: "
         "32x64 w4 s2 1.00, 16x16 w1 s1 1.50, 64x64 w4 s2 2.00"
     )
+
+
+def test_autotuner_retimes_close_candidates_in_alternating_rounds(monkeypatch):
+    """Candidates within 5% of the fastest first timing are timed again, in turns, and the median of their rounds
+    decides; a clearly slower candidate is not timed again."""
+    a, b, slow = KernelConfig(64, 64, 4, 2), KernelConfig(32, 64, 4, 2), KernelConfig(16, 16, 1, 1)
+    first = {a: 1.00, b: 1.03, slow: 2.0}
+    rounds = {a: [1.10, 1.12, 0.90], b: [1.00, 1.01, 1.02]}  # a's one fast round is an outlier
+    launched, timed = [], []
+
+    def fake_bench(fn, **kwargs):
+        fn()
+        cfg = launched[-1]
+        timed.append(cfg)
+        count = timed.count(cfg)
+        return first[cfg] if count == 1 else rounds[cfg][count - 2]
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
+    monkeypatch.setenv("ATTNZOO_AUTOTUNE", "1")
+    tuner = Autotuner()
+    key = ("forward", 64, torch.float16, False, False, 1024, 1024, "ieee", 0)
+    assert tuner.choose(key, [a, b, slow], launched.append, None) == b
+    assert timed == [a, b, slow, a, b, a, b, a, b]
+    assert tuner.timings[key] == {a: 1.10, b: 1.01, slow: 2.0}
 
 
 def test_candidates_pruned_by_shared_memory(monkeypatch):

@@ -27,7 +27,7 @@ from .common import (
     store_tile,
     tile_pointers,
 )
-from .launch import LaunchContext, grid_1d
+from .launch import LaunchContext, grid_1d, tile_descriptor
 
 
 @triton.jit
@@ -39,6 +39,10 @@ def _forward_stage(
     q_tile,
     k_head,
     v_head,
+    k_desc,
+    v_desc,
+    batch,
+    kv_head,
     stride_kn,
     stride_kd,
     stride_vn,
@@ -56,26 +60,28 @@ def _forward_stage(
     CAUSAL: tl.constexpr,
     MASKED: tl.constexpr,
     FOLD_SCALE: tl.constexpr,
+    USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Stream K/V tiles ``[lo, hi)`` through the online softmax (MASKED: apply the visibility mask).
 
     FOLD_SCALE: fold ``qk_scale`` (then positive) into the softmax's exponent, one FFMA per score
     (``LaunchContext.fold_scale`` says when).
+    USE_TMA: load K/V through the descriptors ``k_desc``/``v_desc``: one asynchronous copy per tile, addressed
+    by the copy engine, so no ``[BLOCK_N, D]`` pointer tensor is kept in registers.  Only for tiles that need no
+    mask: a descriptor zero-fills rows past Nk, but not keys past ``seqlens_k[b]``, which must read as zeros.
     """
     local_n = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + local_n
-        k_tile = load_tile(
-            tile_pointers(k_head, start_n, local_n, cols, stride_kn, stride_kd),
-            keys,
-            seqlen_k_b,
-            cols,
-            head_dim,
-            EVEN_D,
-            MASKED,
-        )
+        if USE_TMA:
+            k_tile = k_desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+        else:
+            k_tile = load_tile(
+                tile_pointers(k_head, start_n, local_n, cols, stride_kn, stride_kd), keys, seqlen_k_b, cols,
+                head_dim, EVEN_D, MASKED,
+            )  # fmt: skip
         qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
         if FOLD_SCALE:
             step_scale = qk_scale
@@ -87,15 +93,13 @@ def _forward_stage(
         if MASKED:
             visible = key_visible(rows[:, None], keys[None, :], diagonal_offset, seqlen_k_b, CAUSAL)
             qk = tl.where(visible, qk, float("-inf"))
-        v_tile = load_tile(
-            tile_pointers(v_head, start_n, local_n, cols, stride_vn, stride_vd),
-            keys,
-            seqlen_k_b,
-            cols,
-            head_dim,
-            EVEN_D,
-            MASKED,
-        )
+        if USE_TMA:
+            v_tile = v_desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+        else:
+            v_tile = load_tile(
+                tile_pointers(v_head, start_n, local_n, cols, stride_vn, stride_vd), keys, seqlen_k_b, cols,
+                head_dim, EVEN_D, MASKED,
+            )  # fmt: skip
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, qk, step_scale, v_tile, MASKED, DOT_PRECISION)
         visited += 1
     return acc, m_i, l_i, visited
@@ -107,6 +111,8 @@ def attention_forward_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    k_desc,
+    v_desc,
     o_ptr,
     lse_ptr,
     seqlens_ptr,
@@ -142,6 +148,7 @@ def attention_forward_kernel(
     HAS_SEQLENS: tl.constexpr,
     FOLD_SCALE: tl.constexpr,
     MASK_STAGE: tl.constexpr,
+    USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DEBUG: tl.constexpr,
 ):
@@ -181,15 +188,15 @@ def attention_forward_kernel(
     unmasked_end, end = kv_loop_bounds(start_m, seqlen_q, seqlen_k, seqlen_k_b, CAUSAL, BLOCK_M, BLOCK_N)
     diagonal_offset = seqlen_k - seqlen_q
     acc, m_i, l_i, visited = _forward_stage(
-        acc, m_i, l_i, visited, q_tile, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, rows,
-        0, unmasked_end, diagonal_offset, seqlen_k_b, qk_scale,
-        head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, False, FOLD_SCALE, DOT_PRECISION,
+        acc, m_i, l_i, visited, q_tile, k_head, v_head, k_desc, v_desc, batch, kv_head,
+        stride_kn, stride_kd, stride_vn, stride_vd, rows, 0, unmasked_end, diagonal_offset, seqlen_k_b, qk_scale,
+        head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, False, FOLD_SCALE, USE_TMA, DOT_PRECISION,
     )  # fmt: skip
     if MASK_STAGE:
         acc, m_i, l_i, visited = _forward_stage(
-            acc, m_i, l_i, visited, q_tile, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, rows,
-            unmasked_end, end, diagonal_offset, seqlen_k_b, qk_scale,
-            head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, True, FOLD_SCALE, DOT_PRECISION,
+            acc, m_i, l_i, visited, q_tile, k_head, v_head, k_desc, v_desc, batch, kv_head,
+            stride_kn, stride_kd, stride_vn, stride_vd, rows, unmasked_end, end, diagonal_offset, seqlen_k_b, qk_scale,
+            head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, True, FOLD_SCALE, False, DOT_PRECISION,
         )  # fmt: skip
 
     # Rows with no visible key: l = 0, acc = 0, m = -inf -> o = 0, lse = -inf (no NaN).
@@ -224,13 +231,19 @@ def attention_forward(ctx: LaunchContext) -> tuple[torch.Tensor, torch.Tensor]:
 
     def launch(cfg) -> None:
         num_m_blocks = triton.cdiv(Nq, cfg.block_m)
+        use_tma = cfg.tma and ctx.kv_descriptors
+        if use_tma:
+            k_desc, v_desc = (tile_descriptor(x, cfg.block_n, ctx.block_d) for x in (k, v))
+        else:
+            k_desc, v_desc = k, v  # unused
         attention_forward_kernel[grid_1d(num_m_blocks * B * H)](
-            q, k, v, o, lse, ctx.seqlens, ctx.counts_for(num_m_blocks * B * H),
+            q, k, v, k_desc, v_desc, o, lse, ctx.seqlens, ctx.counts_for(num_m_blocks * B * H),
             *q.stride(), *k.stride(), *v.stride(), *o.stride(),
             H, ctx.group_size, Nq, ctx.seqlen_k, num_m_blocks, ctx.scale * LOG2E,
             head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, FOLD_SCALE=ctx.fold_scale,
-            MASK_STAGE=ctx.mask_stage_needed(cfg.block_n), DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug,
+            MASK_STAGE=ctx.mask_stage_needed(cfg.block_n), USE_TMA=use_tma, DOT_PRECISION=ctx.dot_precision,
+            DEBUG=ctx.debug,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 

@@ -10,6 +10,11 @@ from dataclasses import dataclass, field
 import torch
 from triton.runtime.errors import OutOfResources
 
+try:  # host-side tensor descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: every launch uses pointer loads
+    TensorDescriptor = None
+
 from ..backend import new_output, triton_interpreter_active
 from .tuning import AUTOTUNER, CANDIDATES, INTERPRETER_CONFIG, KernelConfig, candidates, head_dim_tile, seqlen_bucket
 
@@ -40,6 +45,31 @@ def int32_addressable(x: torch.Tensor, max_head_dim: int = 256) -> torch.Tensor:
     if _MAX_TILE_ROWS * stride_row + max_head_dim * stride_col <= _INT32_MAX:
         return x
     return x.contiguous()
+
+
+def descriptor_loads_possible(x: torch.Tensor) -> bool:
+    """Whether tiles of ``x`` ``[B, H, N, D]`` can be loaded through a TMA tensor descriptor.
+
+    The copy engine needs a Hopper-or-newer GPU (or the interpreter, which emulates it), a contiguous last
+    dimension, and a 16-byte aligned base address and outer strides.
+    """
+    if TensorDescriptor is None:
+        return False
+    if not triton_interpreter_active() and not (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9):
+        return False
+    itemsize = x.element_size()
+    return (
+        x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(stride * itemsize % 16 == 0 for stride in x.stride()[:-1])
+    )
+
+
+def tile_descriptor(x: torch.Tensor, block_rows: int, block_d: int) -> TensorDescriptor:
+    """A descriptor of ``x`` ``[B, H, N, D]`` whose box is one ``[block_rows, block_d]`` tile of one (batch, head).
+
+    Being 4-d (not a flat ``[B*H*N, D]`` view), it ends each head at its N rows and D columns: a box reaching past
+    them reads zeros, never the next head.
+    """
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, block_rows, block_d])
 
 
 def grid_1d(programs: int) -> tuple[int]:
@@ -94,6 +124,7 @@ class LaunchContext:
         self.dot_precision = dot_precision(self.q.dtype)
         self.fold_scale = folds_scale(self.scale, self.block_d)
         self.has_seqlens = self.seqlens_k is not None
+        self.kv_descriptors = descriptor_loads_possible(self.k) and descriptor_loads_possible(self.v)
         if self.has_seqlens:
             self.seqlens = self.seqlens_k.to(device=device, dtype=torch.int32).contiguous()
         else:
@@ -165,6 +196,8 @@ class LaunchContext:
             q.device.index,
         )
         configs = candidates(kernel.split(":")[0], self.block_d, q.dtype, q.device)
+        if not self.kv_descriptors:  # a TMA config would launch its pointer twin: time that once
+            configs = [c for c in configs if not c.tma] or configs
         cfg = AUTOTUNER.choose(key, configs, launch, reset)
         # The shared-memory estimate is rough: if the chosen config does not fit after all, take the next.
         for fallback in [cfg] + [c for c in configs if c != cfg]:
