@@ -8,11 +8,12 @@ speedup arithmetic, the figures and README table drawn from the CSV, and the IO-
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
 
-from attnzoo.bench import impls, io_theory, ncu, plot, run
+from attnzoo.bench import impls, io_theory, ncu, plot, run, timing
 from attnzoo.bench import io as io_cli
 from attnzoo.bench.schema import COLUMNS, backward_flops, forward_flops, read_csv
 
@@ -56,6 +57,22 @@ def tiny_csv(tmp_path_factory):
     argv = [*TINY, "--N", "128", "--B", "1", "--H", "2", "--impl", "numpy_ref,sdpa_flash,sdpa_cudnn"]
     assert run.main([*argv, "--out", str(out)]) == 0
     return out
+
+
+def test_warm_up_runs_at_least_its_calls_and_its_time_before_timing():
+    """``--warmup-ms``: untimed calls go on until they have run that long, then exactly ``repeat`` are timed."""
+    calls = []
+
+    def step():
+        calls.append(time.perf_counter())
+        time.sleep(0.002)
+
+    timing.median_ms(step, torch.device("cpu"), warmup=2, repeat=3, warmup_ms=30.0)
+    untimed = calls[:-3]
+    assert len(untimed) >= 2 and calls[-3] - untimed[0] >= 0.030
+    calls.clear()
+    timing.median_ms(step, torch.device("cpu"), warmup=2, repeat=3)
+    assert len(calls) == 5
 
 
 def test_csv_has_the_issue_columns_and_one_row_per_case(tiny_csv):

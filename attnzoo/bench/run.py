@@ -130,6 +130,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5 if cuda else 1, help="untimed calls before timing")
     p.add_argument("--repeat", type=int, default=20 if cuda else 3, help="timed calls (the median is kept)")
     p.add_argument(
+        "--warmup-ms",
+        type=float,
+        default=100.0 if cuda else 0.0,
+        help="untimed calls go on until they have run this long (the GPU's clocks settle after autotuning)",
+    )
+    p.add_argument(
         "--max-call-s",
         type=float,
         default=1.0 if cuda else 10.0,
@@ -215,11 +221,11 @@ def measure(case: Case, impl: impl_registry.Impl, inputs: impl_registry.Inputs, 
     peak_mb = timing.peak_mb_since(device, baseline)
     if seconds > args.max_call_s:
         raise TooSlowError(f"one step took {seconds:.1f} s > --max-call-s {args.max_call_s:g}")
-    fwd_ms = timing.median_ms(prepared.forward, device, args.warmup, args.repeat)
+    fwd_ms = timing.median_ms(prepared.forward, device, args.warmup, args.repeat, args.warmup_ms)
     bwd_ms = None
     if case.train:
         backward = prepared.make_backward()
-        bwd_ms = timing.median_ms(backward, device, args.warmup, args.repeat)
+        bwd_ms = timing.median_ms(backward, device, args.warmup, args.repeat, args.warmup_ms)
         del backward
     total_ms = fwd_ms + (bwd_ms or 0.0)
     shape = (case.B, case.H, case.N, case.D, case.causal, case.seqlen_k)

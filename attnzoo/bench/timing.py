@@ -39,11 +39,21 @@ def wall_seconds(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def median_ms(fn: Callable[[], Any], device: torch.device, warmup: int, repeat: int) -> float:
-    """Median milliseconds of ``repeat`` calls of ``fn`` after ``warmup`` untimed calls."""
+def median_ms(fn: Callable[[], Any], device: torch.device, warmup: int, repeat: int, warmup_ms: float = 0.0) -> float:
+    """Median milliseconds of ``repeat`` calls of ``fn`` after untimed calls: at least ``warmup`` of them, and more
+    until they have run for ``warmup_ms``.
+
+    The time floor is for the GPU's state, not for caches: on the H100 a timing taken right after autotuning (a
+    few seconds of back-to-back kernels) ran 3-14% slower than the same timing repeated tens of milliseconds
+    later, while a second of idling before a timing changed nothing (bench/README.md).
+    """
     for _ in range(warmup):
         fn()
     synchronize(device)
+    start = time.perf_counter()
+    while (time.perf_counter() - start) * 1e3 < warmup_ms:
+        fn()
+        synchronize(device)
     if device.type != "cuda":
         times = []
         for _ in range(repeat):
