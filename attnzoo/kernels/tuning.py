@@ -54,7 +54,7 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         KernelConfig(128, 32, 4, 3),
         KernelConfig(64, 64, 4, 3),
         KernelConfig(64, 32, 4, 2),
-        # TMA loads of K/V: +2-5% in the non-causal forward on the H100, -8% at D=128 causal 128 x 128
+        # TMA loads of K/V: up to +4% in the non-causal forward on the H100, -8% at D=128 causal 128 x 128
         # (docs/NOTES-kernels.md), so both kinds stay candidates.
         KernelConfig(128, 128, 8, 3, tma=True),
         KernelConfig(128, 64, 8, 3, tma=True),
@@ -150,11 +150,11 @@ RETIME_ROUNDS = 3
 class Autotuner:
     """Time each candidate per key, re-time the close ones, keep the fastest.
 
-    One timing per candidate does not separate candidates a few percent apart: on the H100 the clock and power
-    state drift between trials, and the order of close candidates changed from run to run (at fp16 D=128 causal
-    N=4096 a re-run picked a forward tile 10% slower than the previous run's; docs/NOTES-kernels.md).  Timing the
-    close ones in alternating rounds spreads any drift over all of them.  ``reset`` runs before every timed and
-    final launch.
+    One timing per candidate does not separate candidates a few percent apart: on the H100 the order of close
+    candidates changed from one tuning to the next (fp16 D=64 N=8192: a dK/dV tile 4% slower than the best was
+    picked in two tunings of three; with the re-timing, the best in all three; docs/NOTES-kernels.md).  Timing
+    the close ones in alternating rounds spreads any drift of the GPU's state over all of them.  ``reset`` runs
+    before every timed and final launch.
     """
 
     def __init__(self) -> None:
