@@ -137,13 +137,14 @@ def test_forward_through_tensor_descriptors_equals_pointer_loads(geometry):
 
 
 def test_descriptor_loads_need_aligned_rows_and_a_unit_last_stride():
-    """TMA needs a 16-byte aligned base and outer strides and a contiguous last dimension; other inputs keep
-    pointer loads (a ``tma`` config then runs its pointer twin) and are still right."""
+    """TMA needs a 16-byte aligned base, positive 16-byte aligned outer strides and a contiguous last dimension;
+    other inputs keep pointer loads (a ``tma`` config then runs its pointer twin) and are still right."""
     x = torch.randn(1, 2, 8, 17)
     assert descriptor_loads_possible(torch.randn(1, 2, 8, 16))
     assert not descriptor_loads_possible(x[..., :16])  # row stride 17 * 4 bytes
     assert not descriptor_loads_possible(torch.randn(1, 2, 8, 33)[..., 1:17])  # base 4 bytes past alignment
     assert not descriptor_loads_possible(torch.randn(1, 2, 16, 8).transpose(-1, -2))  # last stride 8
+    assert not descriptor_loads_possible(torch.randn(1, 1, 8, 16).expand(1, 4, 8, 16))  # head stride 0
     q, k, v, _, _ = _inputs(1, 2, 2, 8, 8, 16, None)
     k = x[..., :16]
     problem = attnzoo.get("triton_2kernel")._validate(q, k, v, False, None, None)

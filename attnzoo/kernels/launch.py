@@ -51,16 +51,15 @@ def descriptor_loads_possible(x: torch.Tensor) -> bool:
     """Whether tiles of ``x`` ``[B, H, N, D]`` can be loaded through a TMA tensor descriptor.
 
     The copy engine needs a Hopper-or-newer GPU (or the interpreter, which emulates it), a contiguous last
-    dimension, and a 16-byte aligned base address and outer strides.
+    dimension, and a 16-byte aligned base address and outer strides (positive: broadcast views keep pointers).
     """
     if TensorDescriptor is None:
         return False
     if not triton_interpreter_active() and not (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9):
         return False
     itemsize = x.element_size()
-    return (
-        x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(stride * itemsize % 16 == 0 for stride in x.stride()[:-1])
-    )
+    outer_strides_ok = all(stride > 0 and stride * itemsize % 16 == 0 for stride in x.stride()[:-1])
+    return x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and outer_strides_ok
 
 
 def tile_descriptor(x: torch.Tensor, block_rows: int, block_d: int) -> TensorDescriptor:
