@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from triton.runtime.errors import OutOfResources
@@ -123,13 +124,17 @@ class LaunchContext:
         self.dot_precision = dot_precision(self.q.dtype)
         self.fold_scale = folds_scale(self.scale, self.block_d)
         self.has_seqlens = self.seqlens_k is not None
-        self.kv_descriptors = descriptor_loads_possible(self.k) and descriptor_loads_possible(self.v)
         if self.has_seqlens:
             self.seqlens = self.seqlens_k.to(device=device, dtype=torch.int32).contiguous()
         else:
             self.seqlens = _placeholder(device)  # never read
         self._dummy_counts = _placeholder(device)  # never written
         self._running: str | None = None
+
+    @cached_property
+    def kv_descriptors(self) -> bool:
+        """Whether K and V can be loaded through TMA descriptors (asked only by the forward's launches)."""
+        return descriptor_loads_possible(self.k) and descriptor_loads_possible(self.v)
 
     def mask_stage_needed(self, block_n: int) -> bool:
         """Whether some tile of ``block_n`` keys needs the visibility mask: a causal diagonal, ``seqlens_k``, or a
@@ -195,7 +200,7 @@ class LaunchContext:
             q.device.index,
         )
         configs = candidates(kernel.split(":")[0], self.block_d, q.dtype, q.device)
-        if not self.kv_descriptors:  # a TMA config would launch its pointer twin: time that once
+        if any(c.tma for c in configs) and not self.kv_descriptors:  # a TMA config would launch its pointer twin
             configs = [c for c in configs if not c.tma] or configs
         cfg = AUTOTUNER.choose(key, configs, launch, reset)
         # The shared-memory estimate is rough: if the chosen config does not fit after all, take the next.
