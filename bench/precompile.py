@@ -25,7 +25,7 @@ DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 DEVICE = "cuda"
 
 # (dtype name, head dim, causal, kernel, config): one compilation of ``kernel`` with ``config``, the other kernels
-# keeping their first candidate. dq and dkdv also compile the Delta preprocess; atomic compiles both Delta variants.
+# keeping their first candidate. atomic compiles both Delta variants.
 Job = tuple[str, int, bool, str, "KernelConfig"]
 
 

@@ -3,7 +3,9 @@
 - :mod:`.common`: ``@triton.jit`` helpers shared by every kernel (pointers, masks, tile loads, the
   online-softmax step, the softmax-gradient tile, the causal/padding loop bounds).
 - :mod:`.forward`: the FA2-order forward, shared by both backends.
-- :mod:`.backward_2kernel`: Delta preprocess, the K/V-stationary dK/dV kernel and the Q-stationary dQ kernel.
-- :mod:`.backward_atomic`: the Q-stationary backward whose dK/dV go through ``tl.atomic_add``.
+- :mod:`.backward_2kernel`: the Q-stationary dQ kernel (which also computes Delta) and the K/V-stationary dK/dV
+  kernel.
+- :mod:`.backward_atomic`: the Q-stationary backward whose dK/dV go through ``tl.atomic_add``, and the Delta
+  preprocess kernel it may use.
 - :mod:`.tuning`: the block-size/warp/stage candidates, shared-memory pruning and the autotuner.
 """

@@ -1,12 +1,14 @@
-"""FlashAttention-2 backward without atomics: Delta preprocess, a K/V-stationary dK/dV kernel, a Q-stationary dQ kernel.
+"""FlashAttention-2 backward without atomics: a Q-stationary dQ kernel, then a K/V-stationary dK/dV kernel.
 
 With ``P = exp(S - lse)`` recomputed per tile and ``Delta_i = rowsum(dO_i * O_i)`` (= ``rowsum(dP_i * P_i)``):
 
     dV = P^T dO,   dP = dO V^T,   dS = P * (dP - Delta),   dQ = scale * dS K,   dK = scale * dS^T Q
 
-Kernel A keeps one K/V block in registers and loops over the Q blocks (and, for grouped-query attention, over
-the query heads of the group), so each dK/dV row is summed in one program and written once.  Kernel B keeps
-one Q block and loops over K/V blocks, writing dQ once.  No atomics: results are bitwise reproducible.
+Kernel B runs first: it keeps one Q block (with its dO rows) resident, computes and stores Delta for its rows
+from one extra load of O, and loops over the K/V blocks, writing dQ once.  Kernel A keeps one K/V block resident
+and loops over the Q blocks (and, for grouped-query attention, over the query heads of the group), reading the
+stored Delta, so each dK/dV row is summed in one program and written once.  No atomics: results are bitwise
+reproducible.
 
 FLOPs: kernel A 4 matrix products (S, dP, dV, dK) and kernel B 3 (S, dP, dQ), each 2*Nq*Nk*D per head:
 14*B*H*Nq*Nk*D in total, i.e. 3.5x the forward (the usual 2.5x count excludes the recomputation of S and dP
@@ -19,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import triton_interpreter_active
 from .common import (
     LOG2E,
     as_int64,
@@ -35,72 +36,6 @@ from .common import (
     tile_pointers,
 )
 from .launch import LaunchContext, grid_1d, int32_addressable
-from .tuning import INTERPRETER_CONFIG
-
-PREPROCESS_BLOCK_M = 64
-
-
-# Sizes vary per call: no per-value specialisation (one compiled kernel per tile shape, dtype and flags).
-@triton.jit(do_not_specialize=["head_dim", "num_heads", "seqlen_q", "num_m_blocks"])
-def delta_preprocess_kernel(
-    o_ptr,
-    do_ptr,
-    delta_ptr,
-    stride_ob,
-    stride_oh,
-    stride_om,
-    stride_od,
-    stride_dob,
-    stride_doh,
-    stride_dom,
-    stride_dod,
-    num_heads,
-    seqlen_q,
-    num_m_blocks,
-    head_dim,
-    EVEN_D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
-    """``delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d]`` in float32; delta is contiguous ``[B, H, Nq]``."""
-    pid = tl.program_id(0)
-    bh = pid // num_m_blocks
-    start_m = (pid % num_m_blocks) * BLOCK_M
-    batch = bh // num_heads
-    head = bh % num_heads
-    local_m = tl.arange(0, BLOCK_M)
-    rows = start_m + local_m
-    cols = tl.arange(0, BLOCK_D)
-    o_head = head_pointer(o_ptr, batch, head, stride_ob, stride_oh)
-    do_head = head_pointer(do_ptr, batch, head, stride_dob, stride_doh)
-    o_tile = load_tile(
-        tile_pointers(o_head, start_m, local_m, cols, stride_om, stride_od), rows, seqlen_q, cols,
-        head_dim, EVEN_D, True,
-    )  # fmt: skip
-    do_tile = load_tile(
-        tile_pointers(do_head, start_m, local_m, cols, stride_dom, stride_dod),
-        rows,
-        seqlen_q,
-        cols,
-        head_dim,
-        EVEN_D,
-        True,
-    )
-    delta = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)
-    tl.store(delta_ptr + as_int64(bh) * seqlen_q + rows, delta, mask=rows < seqlen_q)
-
-
-def compute_delta(ctx: LaunchContext, o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
-    """``Delta = rowsum(dO * O)`` -> float32 ``[B, H, Nq]`` (one pass over O and dO instead of over K/V)."""
-    B, H, Nq, D = o.shape
-    delta = ctx.new_output((B, H, Nq), torch.float32)
-    block_m = INTERPRETER_CONFIG.block_m if triton_interpreter_active() else PREPROCESS_BLOCK_M
-    num_m_blocks = triton.cdiv(Nq, block_m)
-    delta_preprocess_kernel[grid_1d(num_m_blocks * B * H)](
-        o, do, delta, *o.stride(), *do.stride(), H, Nq, num_m_blocks,
-        head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=block_m, num_warps=4,
-    )  # fmt: skip
-    return delta
 
 
 @triton.jit
@@ -366,6 +301,7 @@ def dq_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    o_ptr,
     do_ptr,
     lse_ptr,
     delta_ptr,
@@ -384,6 +320,10 @@ def dq_kernel(
     stride_vh,
     stride_vn,
     stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
     stride_dob,
     stride_doh,
     stride_dom,
@@ -440,9 +380,17 @@ def dq_kernel(
         tile_pointers(do_head, start_m, local_m, cols, stride_dom, stride_dod), rows, seqlen_q, cols,
         head_dim, EVEN_D, True,
     )  # fmt: skip
+    # Delta_i = rowsum(dO_i * O_i), from the dO tile already resident: one more [BLOCK_M, D] load per program
+    # instead of a separate pass over O and dO.  Stored for the dK/dV kernel, which runs after this one.
+    o_head = head_pointer(o_ptr, batch, head, stride_ob, stride_oh)
+    o_tile = load_tile(
+        tile_pointers(o_head, start_m, local_m, cols, stride_om, stride_od), rows, seqlen_q, cols,
+        head_dim, EVEN_D, True,
+    )  # fmt: skip
+    delta = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)
     row_offset = as_int64(bh) * seqlen_q
+    tl.store(delta_ptr + row_offset + rows, delta, mask=rows < seqlen_q)
     lse2 = load_lse2(lse_ptr + row_offset + rows, rows, seqlen_q, True)
-    delta = tl.load(delta_ptr + row_offset + rows, mask=rows < seqlen_q, other=0.0)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     visited = tl.zeros([], tl.int32)
@@ -485,7 +433,7 @@ def attention_backward_2kernel(
     Hkv, Nk = k.shape[1], k.shape[2]
     lse = lse.contiguous()
     do, o = int32_addressable(do), int32_addressable(o)
-    delta = compute_delta(ctx, o, do)
+    delta = ctx.new_output((B, H, Nq), torch.float32)  # written by the dQ kernel
     dq = ctx.new_output((B, H, Nq, D), q.dtype)
     dk = ctx.new_output((B, Hkv, Nk, D), q.dtype)
     dv = ctx.new_output((B, Hkv, Nk, D), q.dtype)
@@ -506,14 +454,14 @@ def attention_backward_2kernel(
     def launch_dq(cfg) -> None:
         num_m_blocks = triton.cdiv(Nq, cfg.block_m)
         dq_kernel[grid_1d(num_m_blocks * B * H)](
-            q, k, v, do, lse, delta, dq, ctx.seqlens, ctx.counts_for(num_m_blocks * B * H),
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+            q, k, v, o, do, lse, delta, dq, ctx.seqlens, ctx.counts_for(num_m_blocks * B * H),
+            *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(),
             H, ctx.group_size, Nq, Nk, num_m_blocks, ctx.scale, qk_scale,
             head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, MASK_STAGE=ctx.mask_stage_needed(cfg.block_n),
             DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
+    ctx.run("dq", launch_dq)  # first: it writes Delta
     ctx.run("dkdv", launch_dkdv)
-    ctx.run("dq", launch_dq)
     return dq, dk, dv

@@ -4,7 +4,7 @@ One program per (Q block, batch*head).  It first obtains ``D_i = rowsum(dP_i * P
 
 - ``delta="recompute"``: a first pass over the same K/V tiles recomputing P and dP (the original design:
   two extra matrix products per tile, no extra kernel), or
-- ``delta="preprocess"``: ``rowsum(dO * O)`` from the shared preprocess kernel (one pass over O and dO),
+- ``delta="preprocess"``: ``rowsum(dO * O)`` from a preprocess kernel (one pass over O and dO),
 
 then loops over the K/V tiles once more: P from the saved LSE, ``dS = P * (dP - D)``, dQ accumulated in
 registers and written once, and the tile's dK/dV contributions added into float32 buffers ``[B, Hkv, Nk, D]``
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward_2kernel import compute_delta
+from ..backend import triton_interpreter_active
 from .common import (
     LOG2E,
     as_int64,
@@ -35,8 +35,76 @@ from .common import (
     tile_pointers,
 )
 from .launch import LaunchContext, grid_1d, int32_addressable
+from .tuning import INTERPRETER_CONFIG
 
 DELTA_MODES = ("recompute", "preprocess")
+PREPROCESS_BLOCK_M = 64
+
+
+# Sizes vary per call: no per-value specialisation (one compiled kernel per tile shape, dtype and flags).
+@triton.jit(do_not_specialize=["head_dim", "num_heads", "seqlen_q", "num_m_blocks"])
+def delta_preprocess_kernel(
+    o_ptr,
+    do_ptr,
+    delta_ptr,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    num_heads,
+    seqlen_q,
+    num_m_blocks,
+    head_dim,
+    EVEN_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """``delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d]`` in float32; delta is contiguous ``[B, H, Nq]``."""
+    pid = tl.program_id(0)
+    bh = pid // num_m_blocks
+    start_m = (pid % num_m_blocks) * BLOCK_M
+    batch = bh // num_heads
+    head = bh % num_heads
+    local_m = tl.arange(0, BLOCK_M)
+    rows = start_m + local_m
+    cols = tl.arange(0, BLOCK_D)
+    o_head = head_pointer(o_ptr, batch, head, stride_ob, stride_oh)
+    do_head = head_pointer(do_ptr, batch, head, stride_dob, stride_doh)
+    o_tile = load_tile(
+        tile_pointers(o_head, start_m, local_m, cols, stride_om, stride_od), rows, seqlen_q, cols,
+        head_dim, EVEN_D, True,
+    )  # fmt: skip
+    do_tile = load_tile(
+        tile_pointers(do_head, start_m, local_m, cols, stride_dom, stride_dod),
+        rows,
+        seqlen_q,
+        cols,
+        head_dim,
+        EVEN_D,
+        True,
+    )
+    delta = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)
+    tl.store(delta_ptr + as_int64(bh) * seqlen_q + rows, delta, mask=rows < seqlen_q)
+
+
+def compute_delta(ctx: LaunchContext, o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """``Delta = rowsum(dO * O)`` -> float32 ``[B, H, Nq]`` (one pass over O and dO instead of over K/V).
+
+    (The two-kernel backward computes the same sum inside its dQ kernel instead.)
+    """
+    B, H, Nq, D = o.shape
+    delta = ctx.new_output((B, H, Nq), torch.float32)
+    block_m = INTERPRETER_CONFIG.block_m if triton_interpreter_active() else PREPROCESS_BLOCK_M
+    num_m_blocks = triton.cdiv(Nq, block_m)
+    delta_preprocess_kernel[grid_1d(num_m_blocks * B * H)](
+        o, do, delta, *o.stride(), *do.stride(), H, Nq, num_m_blocks,
+        head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=block_m, num_warps=4,
+    )  # fmt: skip
+    return delta
 
 
 @triton.jit
