@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The H100 runs behind bench/results/, one stage per device call (each must end inside 10 minutes):
-#   bash bench/h100.sh grid fp16    # the timing grid of one dtype -> $OUT/h100_bench_fp16.csv
-#   bash bench/h100.sh grid bf16
-#   bash bench/h100.sh io           # ncu DRAM bytes -> $OUT/h100_io_ncu.csv (+ theory CSV)
-# then, here: python -m attnzoo plot bench/results/h100_bench_*.csv --out-dir bench/results, and --readme-out.
+#   bash bench/h100.sh grid fp16 64    # the timing grid of one dtype and head dim -> $OUT/h100_bench_fp16_d64.csv
+#   bash bench/h100.sh grid fp16 128   # (one head dim per call leaves time to re-measure inconsistent shapes)
+#   bash bench/h100.sh grid bf16 64 ...
+#   bash bench/h100.sh io              # ncu DRAM bytes -> $OUT/h100_io_ncu.csv (+ theory CSV)
+# then, here: copy the parts into bench/results, `bash bench/h100.sh merge fp16` (one CSV and log per dtype),
+# python -m attnzoo plot bench/results/h100_bench_*.csv --out-dir bench/results, and --readme-out.
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/attnzoo_out}
@@ -12,16 +14,25 @@ IMPLS=${IMPLS:-triton_2kernel,triton_atomic,triton_atomic_recompute,sdpa_flash,s
 case "$1" in
 grid)
     dtype=${2:-fp16}
+    dims=${3:-64,128}
+    name=h100_bench_$dtype${3:+_d$3}
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
     # Compile every autotuning candidate on all cores first; the timed run then finds them in Triton's cache.
-    python bench/precompile.py --dtype "$dtype" --d 64,128 --workers "${WORKERS:-14}" | tail -1
-    python -m attnzoo bench --dtype "$dtype" --d 64,128 --N 1k,2k,4k,8k,16k --causal both --mode fwd,train \
-        --impl "$IMPLS" --warmup 3 --repeat 10 --time-budget-s "${BUDGET:-520}" \
-        --out "$OUT/h100_bench_$dtype.csv" 2>&1 | tee "$OUT/h100_bench_$dtype.log" | grep -v '^\[' ;;
+    python bench/precompile.py --dtype "$dtype" --d "$dims" --workers "${WORKERS:-14}" | tail -1
+    python -m attnzoo bench --dtype "$dtype" --d "$dims" --N 1k,2k,4k,8k,16k --causal both --mode fwd,train \
+        --impl "$IMPLS" --warmup 3 --repeat 10 --time-budget-s "${BUDGET:-480}" --recheck "${RECHECK:-1.15}" \
+        --out "$OUT/$name.csv" 2>&1 | tee "$OUT/$name.log" | grep -v '^\[' ;;
+merge)
+    # The per-head-dim parts of one dtype (in bench/results) -> one CSV (header once) and one log.
+    dtype=${2:-fp16}
+    mapfile -t parts < <(printf '%s\n' bench/results/h100_bench_"$dtype"_d*.csv | sort -V)  # D ascending
+    { head -n 1 "${parts[0]}"; for part in "${parts[@]}"; do tail -n +2 "$part"; done; } > "bench/results/h100_bench_$dtype.csv"
+    for part in "${parts[@]}"; do cat "${part%.csv}.log"; done > "bench/results/h100_bench_$dtype.log"
+    rm "${parts[@]}" bench/results/h100_bench_"$dtype"_d*.log ;;
 io)
     python -m attnzoo io theory --N 512,1k,2k,4k,8k,16k --D 64,128 --B 1 --H "${H:-8}" --out "$OUT/h100_io_theory.csv"
     python -m attnzoo io measure --impl "${IO_IMPLS:-triton_2kernel,sdpa_math,sdpa_flash}" --N "${IO_N:-1k,4k,16k}" \
         --D 128 --B 1 --H "${H:-8}" --dtype fp16 --timeout-s 200 --time-budget-s "${IO_BUDGET:-480}" --out "$OUT/h100_io_ncu.csv" 2>&1 | tee "$OUT/h100_io.log" ;;
 *)
-    echo "usage: bash bench/h100.sh grid fp16|bf16 | io" >&2; exit 2 ;;
+    echo "usage: bash bench/h100.sh grid fp16|bf16 [D] | merge fp16|bf16 | io" >&2; exit 2 ;;
 esac
