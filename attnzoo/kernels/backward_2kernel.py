@@ -31,6 +31,7 @@ from .common import (
     load_lse2,
     load_tile,
     q_loop_bounds,
+    row_delta,
     softmax_grad_tile,
     store_tile,
     tile_pointers,
@@ -387,7 +388,7 @@ def dq_kernel(
         tile_pointers(o_head, start_m, local_m, cols, stride_om, stride_od), rows, seqlen_q, cols,
         head_dim, EVEN_D, True,
     )  # fmt: skip
-    delta = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)
+    delta = row_delta(o_tile, do_tile)
     row_offset = as_int64(bh) * seqlen_q
     tl.store(delta_ptr + row_offset + rows, delta, mask=rows < seqlen_q)
     lse2 = load_lse2(lse_ptr + row_offset + rows, rows, seqlen_q, True)

@@ -29,6 +29,7 @@ from .common import (
     kv_loop_bounds,
     load_lse2,
     load_tile,
+    row_delta,
     softmax_grad_tile,
     store_tile,
     tile_in_bounds,
@@ -87,7 +88,7 @@ def delta_preprocess_kernel(
         EVEN_D,
         True,
     )
-    delta = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)
+    delta = row_delta(o_tile, do_tile)
     tl.store(delta_ptr + as_int64(bh) * seqlen_q + rows, delta, mask=rows < seqlen_q)
 
 

@@ -212,6 +212,12 @@ def load_lse2(lse_ptrs, rows, seqlen_q, CHECK_ROWS: tl.constexpr):
 
 
 @triton.jit
+def row_delta(o_tile, do_tile):
+    """``Delta_i = rowsum(dO_i * O_i)`` of a ``[rows, BLOCK_D]`` tile pair, in float32 (= ``rowsum(dP_i * P_i)``)."""
+    return tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)
+
+
+@triton.jit
 def softmax_grad_tile(scores_raw, dp, lse2, delta, qk_scale, visible, MASKED: tl.constexpr):
     """Recompute ``P = exp(S - lse)`` and ``dS = P * (dP - Delta)`` for one tile -> ``(p, ds)``.
 
