@@ -36,7 +36,7 @@ from attnzoo.kernels.tuning import CANDIDATES, KernelConfig, head_dim_tile
 KERNELS = {"forward": attention_forward_kernel, "dkdv": dkdv_kernel, "dq": dq_kernel, "atomic": atomic_backward_kernel}
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
-FLOAT32_POINTERS = ("lse_ptr", "delta_ptr", "dk_acc_ptr", "dv_acc_ptr")
+FLOAT32_POINTERS = ("lse_ptr", "lse2_ptr", "delta_ptr", "dk_acc_ptr", "dv_acc_ptr")
 INT32_POINTERS = ("seqlens_ptr", "counts_ptr")
 SCALARS = ("sm_scale", "qk_scale")
 

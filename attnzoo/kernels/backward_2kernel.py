@@ -5,10 +5,10 @@ With ``P = exp(S - lse)`` recomputed per tile and ``Delta_i = rowsum(dO_i * O_i)
     dV = P^T dO,   dP = dO V^T,   dS = P * (dP - Delta),   dQ = scale * dS K,   dK = scale * dS^T Q
 
 Kernel B runs first: it keeps one Q block (with its dO rows) resident, computes and stores Delta for its rows
-from one extra load of O, and loops over the K/V blocks, writing dQ once.  Kernel A keeps one K/V block resident
-and loops over the Q blocks (and, for grouped-query attention, over the query heads of the group), reading the
-stored Delta, so each dK/dV row is summed in one program and written once.  No atomics: results are bitwise
-reproducible.
+from one extra load of O, stores lse in base 2 beside it, and loops over the K/V blocks, writing dQ once.
+Kernel A keeps one K/V block resident and loops over the Q blocks (and, for grouped-query attention, over the
+query heads of the group), reading the stored lse2 and Delta, so each dK/dV row is summed in one program and
+written once.  No atomics: results are bitwise reproducible.
 
 FLOPs: kernel A 4 matrix products (S, dP, dV, dK) and kernel B 3 (S, dP, dQ), each 2*Nq*Nk*D per head:
 14*B*H*Nq*Nk*D in total, i.e. 3.5x the forward (the usual 2.5x count excludes the recomputation of S and dP
@@ -31,6 +31,7 @@ from .common import (
     load_lse2,
     load_tile,
     q_loop_bounds,
+    recompute_p,
     row_delta,
     softmax_grad_tile,
     store_tile,
@@ -48,7 +49,7 @@ def _dkdv_stage(
     v_tile,
     q_head,
     do_head,
-    lse_row_ptr,
+    lse2_row_ptr,
     delta_row_ptr,
     stride_qm,
     stride_qd,
@@ -92,18 +93,24 @@ def _dkdv_stage(
             tile_pointers(do_head, start_m, local_m, cols, stride_dom, stride_dod), rows, seqlen_q, cols,
             head_dim, EVEN_D, Q_TAIL,
         )  # fmt: skip
-        lse2 = load_lse2(lse_row_ptr + rows, rows, seqlen_q, Q_TAIL)
+        # lse2 arrives in base 2 with the empty-row rule applied (the dQ kernel wrote it): a plain load, no
+        # per-tile conversion.  Padding rows get lse2 = +inf, so their P is 0.
         if Q_TAIL:
+            lse2 = tl.load(lse2_row_ptr + rows, mask=rows < seqlen_q, other=float("inf"))
             delta = tl.load(delta_row_ptr + rows, mask=rows < seqlen_q, other=0.0)
         else:
+            lse2 = tl.load(lse2_row_ptr + rows)
             delta = tl.load(delta_row_ptr + rows)
         scores_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PRECISION)
         dp_t = tl.dot(v_tile, tl.trans(do_tile), input_precision=DOT_PRECISION)
         visible = None
         if MASKED:
             visible = key_visible(rows[None, :], keys[:, None], diagonal_offset, seqlen_k_b, CAUSAL)
-        p_t, ds_t = softmax_grad_tile(scores_t, dp_t, lse2[None, :], delta[None, :], qk_scale, visible, MASKED)
+        p_t = recompute_p(scores_t, lse2[None, :], qk_scale, visible, MASKED)
+        # dV's product is issued before dS is formed, so the tensor cores run it during dS's arithmetic (the
+        # products whose results the loop consumes right away, S^T and dP^T, are waited for at once).
         dv = tl.dot(p_t.to(do_tile.dtype), do_tile, dv, input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q_tile.dtype), q_tile, dk, input_precision=DOT_PRECISION)
         visited += 1
     return dk, dv, visited
@@ -118,7 +125,7 @@ def dkdv_kernel(
     k_ptr,
     v_ptr,
     do_ptr,
-    lse_ptr,
+    lse2_ptr,
     delta_ptr,
     dk_ptr,
     dv_ptr,
@@ -207,12 +214,12 @@ def dkdv_kernel(
         row_offset = (batch * num_heads + head).to(tl.int64) * seqlen_q
         if MASK_STAGE:
             dk, dv, visited = _dkdv_stage(
-                dk, dv, visited, k_tile, v_tile, q_head, do_head, lse_ptr + row_offset, delta_ptr + row_offset,
+                dk, dv, visited, k_tile, v_tile, q_head, do_head, lse2_ptr + row_offset, delta_ptr + row_offset,
                 stride_qm, stride_qd, stride_dom, stride_dod, keys, lo, unmasked_lo, seqlen_q, diagonal_offset,
                 seqlen_k_b, qk_scale, head_dim, EVEN_D, BLOCK_D, BLOCK_M, CAUSAL, True, Q_TAIL, DOT_PRECISION,
             )  # fmt: skip
         dk, dv, visited = _dkdv_stage(
-            dk, dv, visited, k_tile, v_tile, q_head, do_head, lse_ptr + row_offset, delta_ptr + row_offset,
+            dk, dv, visited, k_tile, v_tile, q_head, do_head, lse2_ptr + row_offset, delta_ptr + row_offset,
             stride_qm, stride_qd, stride_dom, stride_dod, keys, unmasked_lo, hi, seqlen_q, diagonal_offset,
             seqlen_k_b, qk_scale, head_dim, EVEN_D, BLOCK_D, BLOCK_M, CAUSAL, False, Q_TAIL, DOT_PRECISION,
         )  # fmt: skip
@@ -305,6 +312,7 @@ def dq_kernel(
     o_ptr,
     do_ptr,
     lse_ptr,
+    lse2_ptr,
     delta_ptr,
     dq_ptr,
     seqlens_ptr,
@@ -392,6 +400,7 @@ def dq_kernel(
     row_offset = as_int64(bh) * seqlen_q
     tl.store(delta_ptr + row_offset + rows, delta, mask=rows < seqlen_q)
     lse2 = load_lse2(lse_ptr + row_offset + rows, rows, seqlen_q, True)
+    tl.store(lse2_ptr + row_offset + rows, lse2, mask=rows < seqlen_q)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     visited = tl.zeros([], tl.int32)
@@ -434,7 +443,9 @@ def attention_backward_2kernel(
     Hkv, Nk = k.shape[1], k.shape[2]
     lse = lse.contiguous()
     do, o = int32_addressable(do), int32_addressable(o)
-    delta = ctx.new_output((B, H, Nq), torch.float32)  # written by the dQ kernel
+    # Per-row statistics for the dK/dV kernel, written by the dQ kernel: lse in base 2, and Delta.
+    lse2 = ctx.new_output((B, H, Nq), torch.float32)
+    delta = ctx.new_output((B, H, Nq), torch.float32)
     dq = ctx.new_output((B, H, Nq, D), q.dtype)
     dk = ctx.new_output((B, Hkv, Nk, D), q.dtype)
     dv = ctx.new_output((B, Hkv, Nk, D), q.dtype)
@@ -443,7 +454,7 @@ def attention_backward_2kernel(
     def launch_dkdv(cfg) -> None:
         num_n_blocks = triton.cdiv(Nk, cfg.block_n)
         dkdv_kernel[grid_1d(num_n_blocks * B * Hkv)](
-            q, k, v, do, lse, delta, dk, dv, ctx.seqlens, ctx.counts_for(num_n_blocks * B * Hkv),
+            q, k, v, do, lse2, delta, dk, dv, ctx.seqlens, ctx.counts_for(num_n_blocks * B * Hkv),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
             H, Hkv, ctx.group_size, Nq, Nk, num_n_blocks, ctx.scale, qk_scale,
             head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -455,7 +466,7 @@ def attention_backward_2kernel(
     def launch_dq(cfg) -> None:
         num_m_blocks = triton.cdiv(Nq, cfg.block_m)
         dq_kernel[grid_1d(num_m_blocks * B * H)](
-            q, k, v, o, do, lse, delta, dq, ctx.seqlens, ctx.counts_for(num_m_blocks * B * H),
+            q, k, v, o, do, lse, lse2, delta, dq, ctx.seqlens, ctx.counts_for(num_m_blocks * B * H),
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(),
             H, ctx.group_size, Nq, Nk, num_m_blocks, ctx.scale, qk_scale,
             head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

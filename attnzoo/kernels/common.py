@@ -218,14 +218,21 @@ def row_delta(o_tile, do_tile):
 
 
 @triton.jit
-def softmax_grad_tile(scores_raw, dp, lse2, delta, qk_scale, visible, MASKED: tl.constexpr):
-    """Recompute ``P = exp(S - lse)`` and ``dS = P * (dP - Delta)`` for one tile -> ``(p, ds)``.
+def recompute_p(scores_raw, lse2, qk_scale, visible, MASKED: tl.constexpr):
+    """``P = exp(S - lse)`` of one tile from its raw scores, as ``exp2(s * qk_scale - lse2)`` (one FFMA + EX2).
 
-    ``lse2`` and ``delta`` come already broadcast to the tile's orientation (``[M, 1]`` for a ``[M, N]`` tile,
-    ``[1, M]`` for the transposed ``[N, M]`` tile of the K/V-stationary kernel).
+    ``lse2`` comes already broadcast to the tile's orientation (``[M, 1]`` for a ``[M, N]`` tile, ``[1, M]`` for
+    the transposed ``[N, M]`` tile of the K/V-stationary kernel).  MASKED: hidden entries give exactly 0.
     """
     p = tl.math.exp2(scores_raw * qk_scale - lse2)
     if MASKED:
         p = tl.where(visible, p, 0.0)
+    return p
+
+
+@triton.jit
+def softmax_grad_tile(scores_raw, dp, lse2, delta, qk_scale, visible, MASKED: tl.constexpr):
+    """Recompute ``P`` (see ``recompute_p``) and ``dS = P * (dP - Delta)`` for one tile -> ``(p, ds)``."""
+    p = recompute_p(scores_raw, lse2, qk_scale, visible, MASKED)
     ds = p * (dp - delta)
     return p, ds
