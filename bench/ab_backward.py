@@ -32,17 +32,11 @@ DKDV = {128: ["64,128,8,3", "32,64,4,3"], 64: ["64,64,4,3", "32,128,4,3"]}
 DQ, FORWARD = "128,64,8,3", "128,64,8,3"
 
 
-def _config(text: str):
-    from attnzoo.kernels.tuning import KernelConfig
-
-    fields = text.split(",")
-    return KernelConfig(*map(int, fields[:4]), tma=fields[4:] == ["tma"])
-
-
 def worker(args) -> None:
     """Time every (shape, dK/dV tile) of this process's tree; append rows to ``args.out``."""
     import torch
     import triton
+    from ptx_report import parse_config  # bench/ptx_report.py, beside this script: "BLOCK_M,BLOCK_N,warps,stages[,tma]"
 
     import attnzoo
     from attnzoo.backends.triton_2kernel import make_context
@@ -60,7 +54,7 @@ def worker(args) -> None:
                 torch.randn(batch, heads, n_run, d, device="cuda", dtype=dtype, generator=gen) for _ in "qkvd"
             )
             problem = attnzoo.get("triton_2kernel")._validate(q, k, v, causal, None, None)
-            forced = {"forward": _config(FORWARD), "dq": _config(DQ), "dkdv": _config(dkdv)}
+            forced = {"forward": parse_config(FORWARD), "dq": parse_config(DQ), "dkdv": parse_config(dkdv)}
             ctx = make_context(q, k, v, problem, None, forced_config=forced)
             o, lse = attention_forward(ctx)
             grads = attention_backward_2kernel(ctx, do, o, lse)

@@ -110,7 +110,7 @@ def report(kernel_name: str, dtype: str, d: int, cfg: KernelConfig, causal: bool
     )
 
 
-def _parse_config(text: str) -> KernelConfig:
+def parse_config(text: str) -> KernelConfig:
     """``BLOCK_M,BLOCK_N,warps,stages[,tma]`` -> KernelConfig."""
     fields = text.split(",")
     return KernelConfig(*map(int, fields[:4]), tma=fields[4:] == ["tma"])
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--q-tail", action="store_true", help="dkdv: Nq not a multiple of BLOCK_M")
     args = parser.parse_args(argv)
     for name in args.kernel.split(","):
-        configs = [_parse_config(args.config)] if args.config else CANDIDATES[name]
+        configs = [parse_config(args.config)] if args.config else CANDIDATES[name]
         for d in map(int, args.d.split(",")):
             for cfg in configs:
                 r = report(name, args.dtype, d, cfg, args.causal, args.q_tail)

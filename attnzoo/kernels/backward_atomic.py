@@ -80,14 +80,9 @@ def delta_preprocess_kernel(
         head_dim, EVEN_D, True,
     )  # fmt: skip
     do_tile = load_tile(
-        tile_pointers(do_head, start_m, local_m, cols, stride_dom, stride_dod),
-        rows,
-        seqlen_q,
-        cols,
-        head_dim,
-        EVEN_D,
-        True,
-    )
+        tile_pointers(do_head, start_m, local_m, cols, stride_dom, stride_dod), rows, seqlen_q, cols,
+        head_dim, EVEN_D, True,
+    )  # fmt: skip
     delta = row_delta(o_tile, do_tile)
     tl.store(delta_ptr + as_int64(bh) * seqlen_q + rows, delta, mask=rows < seqlen_q)
 
