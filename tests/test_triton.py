@@ -19,6 +19,7 @@ from attnzoo.backends import triton_2kernel as t2k_module
 from attnzoo.backends.triton_atomic import TritonAtomic, variant
 from attnzoo.kernels import launch as launch_module
 from attnzoo.kernels import tuning
+from attnzoo.kernels.backward_2kernel import attention_backward_2kernel
 from attnzoo.kernels.forward import attention_forward
 from attnzoo.kernels.launch import LaunchContext, descriptor_loads_possible, int32_addressable
 from attnzoo.kernels.tuning import Autotuner, KernelConfig
@@ -134,6 +135,25 @@ def test_forward_through_tensor_descriptors_equals_pointer_loads(geometry):
     o, lse = attention_forward(descriptor_ctx)
     o_ptr, lse_ptr = attention_forward(t2k_module.make_context(q, k, v, problem, sl, forced_config=pointer_cfg))
     assert torch.equal(o, o_ptr) and torch.equal(lse, lse_ptr)
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_dq_kernel_through_tensor_descriptors_equals_pointer_loads(geometry):
+    """A ``tma`` config of the dQ kernel loads the K/V tiles of its unmasked stage through descriptors: the same
+    bits out as the pointer loads across the masking geometries."""
+    B, H, Hkv, Nq, Nk, D, causal, seqlens = geometry
+    q, k, v, do, sl = _inputs(B, H, Hkv, Nq, Nk, D, seqlens)
+    assert descriptor_loads_possible(k) and descriptor_loads_possible(v)
+    problem = attnzoo.get("triton_2kernel")._validate(q, k, v, causal, None, sl)
+    pointer_cfg = KernelConfig(16, 16, 1, 1)
+    grads = {}
+    for tma in (False, True):
+        forced = {"forward": pointer_cfg, "dq": dataclasses.replace(pointer_cfg, tma=tma), "dkdv": pointer_cfg}
+        ctx = t2k_module.make_context(q, k, v, problem, sl, forced_config=forced)
+        o, lse = attention_forward(ctx)
+        grads[tma] = attention_backward_2kernel(ctx, do, o, lse)
+    for with_descriptors, with_pointers in zip(grads[True], grads[False], strict=True):
+        assert torch.equal(with_descriptors, with_pointers)
 
 
 def test_descriptor_loads_need_aligned_rows_and_a_unit_last_stride():

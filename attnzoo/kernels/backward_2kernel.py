@@ -37,7 +37,7 @@ from .common import (
     store_tile,
     tile_pointers,
 )
-from .launch import LaunchContext, grid_1d, int32_addressable
+from .launch import LaunchContext, grid_1d, int32_addressable, tile_descriptor
 
 
 @triton.jit
@@ -261,6 +261,10 @@ def _dq_stage(
     delta,
     k_head,
     v_head,
+    k_desc,
+    v_desc,
+    batch,
+    kv_head,
     stride_kn,
     stride_kd,
     stride_vn,
@@ -277,21 +281,30 @@ def _dq_stage(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     MASKED: tl.constexpr,
+    USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Accumulate (unscaled) dQ ``[BLOCK_M, D]`` of the resident Q block over the K/V tiles ``[lo, hi)``."""
+    """Accumulate (unscaled) dQ ``[BLOCK_M, D]`` of the resident Q block over the K/V tiles ``[lo, hi)``.
+
+    USE_TMA: load K/V through the descriptors ``k_desc``/``v_desc`` as the forward does; only for tiles that need
+    no mask (a descriptor zero-fills rows past Nk, not keys past ``seqlens_k[b]``).
+    """
     local_n = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + local_n
-        k_tile = load_tile(
-            tile_pointers(k_head, start_n, local_n, cols, stride_kn, stride_kd), keys, seqlen_k_b, cols,
-            head_dim, EVEN_D, MASKED,
-        )  # fmt: skip
-        v_tile = load_tile(
-            tile_pointers(v_head, start_n, local_n, cols, stride_vn, stride_vd), keys, seqlen_k_b, cols,
-            head_dim, EVEN_D, MASKED,
-        )  # fmt: skip
+        if USE_TMA:
+            k_tile = k_desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+            v_tile = v_desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+        else:
+            k_tile = load_tile(
+                tile_pointers(k_head, start_n, local_n, cols, stride_kn, stride_kd), keys, seqlen_k_b, cols,
+                head_dim, EVEN_D, MASKED,
+            )  # fmt: skip
+            v_tile = load_tile(
+                tile_pointers(v_head, start_n, local_n, cols, stride_vn, stride_vd), keys, seqlen_k_b, cols,
+                head_dim, EVEN_D, MASKED,
+            )  # fmt: skip
         scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
         dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=DOT_PRECISION)
         visible = None
@@ -309,6 +322,8 @@ def dq_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    k_desc,
+    v_desc,
     o_ptr,
     do_ptr,
     lse_ptr,
@@ -356,12 +371,14 @@ def dq_kernel(
     CAUSAL: tl.constexpr,
     HAS_SEQLENS: tl.constexpr,
     MASK_STAGE: tl.constexpr,
+    USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DEBUG: tl.constexpr,
 ):
     """Kernel B: dQ of one Q block of one (batch, head); grid: 1-d, num_m_blocks * B * H programs.
 
     MASK_STAGE: some tile may need the mask (``LaunchContext.mask_stage_needed``).
+    USE_TMA: the unmasked stage loads K/V through the descriptors ``k_desc``/``v_desc`` (box ``[BLOCK_N, BLOCK_D]``).
     """
     pid = tl.program_id(0)
     bh = pid // num_m_blocks
@@ -407,15 +424,15 @@ def dq_kernel(
     unmasked_end, end = kv_loop_bounds(start_m, seqlen_q, seqlen_k, seqlen_k_b, CAUSAL, BLOCK_M, BLOCK_N)
     diagonal_offset = seqlen_k - seqlen_q
     dq, visited = _dq_stage(
-        dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
-        rows, 0, unmasked_end, diagonal_offset, seqlen_k_b, qk_scale,
-        head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, False, DOT_PRECISION,
+        dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, k_desc, v_desc, batch, kv_head,
+        stride_kn, stride_kd, stride_vn, stride_vd, rows, 0, unmasked_end, diagonal_offset, seqlen_k_b, qk_scale,
+        head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, False, USE_TMA, DOT_PRECISION,
     )  # fmt: skip
     if MASK_STAGE:
         dq, visited = _dq_stage(
-            dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
-            rows, unmasked_end, end, diagonal_offset, seqlen_k_b, qk_scale,
-            head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION,
+            dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, k_desc, v_desc, batch, kv_head,
+            stride_kn, stride_kd, stride_vn, stride_vd, rows, unmasked_end, end, diagonal_offset, seqlen_k_b, qk_scale,
+            head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, True, False, DOT_PRECISION,
         )  # fmt: skip
     dq_head = head_pointer(dq_ptr, batch, head, stride_dqb, stride_dqh)
     store_tile(
@@ -465,13 +482,19 @@ def attention_backward_2kernel(
 
     def launch_dq(cfg) -> None:
         num_m_blocks = triton.cdiv(Nq, cfg.block_m)
+        use_tma = cfg.tma and ctx.kv_descriptors
+        if use_tma:
+            k_desc, v_desc = (tile_descriptor(x, cfg.block_n, ctx.block_d) for x in (k, v))
+        else:
+            k_desc, v_desc = k, v  # unused
         dq_kernel[grid_1d(num_m_blocks * B * H)](
-            q, k, v, o, do, lse, lse2, delta, dq, ctx.seqlens, ctx.counts_for(num_m_blocks * B * H),
+            q, k, v, k_desc, v_desc, o, do, lse, lse2, delta, dq, ctx.seqlens, ctx.counts_for(num_m_blocks * B * H),
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(),
             H, ctx.group_size, Nq, Nk, num_m_blocks, ctx.scale, qk_scale,
             head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, MASK_STAGE=ctx.mask_stage_needed(cfg.block_n),
-            DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            USE_TMA=use_tma, DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
     ctx.run("dq", launch_dq)  # first: it writes Delta
