@@ -37,7 +37,7 @@ from .common import (
     store_tile,
     tile_pointers,
 )
-from .launch import LaunchContext, grid_1d, int32_addressable, tile_descriptor
+from .launch import LaunchContext, grid_1d, int32_addressable
 
 
 @triton.jit
@@ -482,11 +482,7 @@ def attention_backward_2kernel(
 
     def launch_dq(cfg) -> None:
         num_m_blocks = triton.cdiv(Nq, cfg.block_m)
-        use_tma = cfg.tma and ctx.kv_descriptors
-        if use_tma:
-            k_desc, v_desc = (tile_descriptor(x, cfg.block_n, ctx.block_d) for x in (k, v))
-        else:
-            k_desc, v_desc = k, v  # unused
+        use_tma, k_desc, v_desc = ctx.kv_tile_descriptors(cfg)
         dq_kernel[grid_1d(num_m_blocks * B * H)](
             q, k, v, k_desc, v_desc, o, do, lse, lse2, delta, dq, ctx.seqlens, ctx.counts_for(num_m_blocks * B * H),
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(),

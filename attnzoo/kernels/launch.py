@@ -133,8 +133,16 @@ class LaunchContext:
 
     @cached_property
     def kv_descriptors(self) -> bool:
-        """Whether K and V can be loaded through TMA descriptors (asked only by the forward's launches)."""
+        """Whether K and V can be loaded through TMA descriptors (by the forward and the dQ kernel)."""
         return descriptor_loads_possible(self.k) and descriptor_loads_possible(self.v)
+
+    def kv_tile_descriptors(self, cfg: KernelConfig) -> tuple[bool, object, object]:
+        """``(USE_TMA, k_desc, v_desc)`` of a launch that streams K/V tiles of ``cfg.block_n`` keys: descriptors of
+        ``[block_n, BLOCK_D]`` boxes when ``cfg`` asks for TMA and the inputs allow it, else False and the K/V
+        tensors themselves (a placeholder the kernel never reads)."""
+        if cfg.tma and self.kv_descriptors:
+            return True, *(tile_descriptor(x, cfg.block_n, self.block_d) for x in (self.k, self.v))
+        return False, self.k, self.v
 
     def mask_stage_needed(self, block_n: int) -> bool:
         """Whether some tile of ``block_n`` keys needs the visibility mask: a causal diagonal, ``seqlens_k``, or a
