@@ -134,9 +134,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp16", choices=("fp16", "bf16"))
     parser.add_argument("--out", default="ab_backward.csv", help="CSV of every timing (replaced)")
     parser.add_argument(
-        "--dkdv", action="append", default=[], help='dK/dV tiles of one head dim, e.g. "128=64,128,8,3 64,128,8,3,tma"'
+        "--dkdv", action="append", default=[], help='dK/dV tiles of one head dim, e.g. "128=64,128,8,3 32,64,4,3"'
     )
-    parser.add_argument("--dq", action="append", default=[], help='dQ tiles of one head dim, e.g. "128=128,64,8,3"')
+    parser.add_argument(
+        "--dq", action="append", default=[], help='dQ tiles of one head dim, e.g. "128=128,64,8,3 128,64,8,3,tma"'
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shard", default="0/1", help=argparse.SUPPRESS)
