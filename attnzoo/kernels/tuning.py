@@ -145,10 +145,10 @@ def seqlen_bucket(n: int) -> int:
     return min(max(64, triton.next_power_of_2(max(n, 1))), 16384)
 
 
-# The first candidate's timing is preceded by WARMUP_MS of its untimed runs (the others' by 10 ms): the GPU's clocks
-# and power state settle after the idle time of compilation.  Candidates whose first timing is within RETIME_WITHIN
-# of the fastest (at most RETIME_MAX of them) are timed RETIME_ROUNDS more times, in alternating order; each then
-# counts with the median of those rounds.
+# The first candidate's timing is preceded by WARMUP_MS of its untimed runs (the others' by 10 ms), so that timing
+# starts on a GPU that has been running rather than one idle through compilation.  Candidates whose first timing is
+# within RETIME_WITHIN of the fastest (at most RETIME_MAX of them) are timed RETIME_ROUNDS more times, in alternating
+# order; each then counts with the median of those rounds.
 WARMUP_MS = 50.0
 RETIME_WITHIN = 0.10
 RETIME_MAX = 4
@@ -164,8 +164,9 @@ class Autotuner:
     the close ones in alternating rounds spreads any drift of the GPU's state over all of them.  All candidates
     are compiled before any is timed, so that no timing follows a second of idle GPU (compilation is host work).
     At the 16-bit D=128 full forward (N = 1k, 2k, 16k; 3 tunings each, on the H100), the tile picked was within 1%
-    of the fastest by the benchmark's timing in 11 tunings of 12 (the other 3.6% slower); re-timing only up to 3
-    candidates within 5%, without the warm-up, gave 8 of 12 (the others 3-7% slower; docs/NOTES-kernels.md).
+    of the fastest by the benchmark's timing in 11 tunings of 12 (the other 3.6% slower); the previous method
+    (compiling between timings, no warm-up, re-timing up to 3 candidates within 5%) gave 8 of 12 (the others 3-7%
+    slower; docs/NOTES-kernels.md).
     ``reset`` runs before every timed and final launch.
     """
 
