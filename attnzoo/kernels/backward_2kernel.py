@@ -28,6 +28,7 @@ from .common import (
     head_pointer,
     key_visible,
     kv_loop_bounds,
+    load_kv_tile,
     load_lse2,
     load_tile,
     q_loop_bounds,
@@ -286,25 +287,20 @@ def _dq_stage(
 ):
     """Accumulate (unscaled) dQ ``[BLOCK_M, D]`` of the resident Q block over the K/V tiles ``[lo, hi)``.
 
-    USE_TMA: load K/V through the descriptors ``k_desc``/``v_desc`` as the forward does; only for tiles that need
-    no mask (a descriptor zero-fills rows past Nk, not keys past ``seqlens_k[b]``).
+    USE_TMA: load K/V through the descriptors ``k_desc``/``v_desc`` (``common.load_kv_tile``); unmasked tiles only.
     """
     local_n = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + local_n
-        if USE_TMA:
-            k_tile = k_desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
-            v_tile = v_desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
-        else:
-            k_tile = load_tile(
-                tile_pointers(k_head, start_n, local_n, cols, stride_kn, stride_kd), keys, seqlen_k_b, cols,
-                head_dim, EVEN_D, MASKED,
-            )  # fmt: skip
-            v_tile = load_tile(
-                tile_pointers(v_head, start_n, local_n, cols, stride_vn, stride_vd), keys, seqlen_k_b, cols,
-                head_dim, EVEN_D, MASKED,
-            )  # fmt: skip
+        k_tile = load_kv_tile(
+            k_head, k_desc, batch, kv_head, start_n, local_n, cols, stride_kn, stride_kd, seqlen_k_b, head_dim,
+            EVEN_D, MASKED, USE_TMA, BLOCK_N, BLOCK_D,
+        )  # fmt: skip
+        v_tile = load_kv_tile(
+            v_head, v_desc, batch, kv_head, start_n, local_n, cols, stride_vn, stride_vd, seqlen_k_b, head_dim,
+            EVEN_D, MASKED, USE_TMA, BLOCK_N, BLOCK_D,
+        )  # fmt: skip
         scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
         dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=DOT_PRECISION)
         visible = None

@@ -79,6 +79,28 @@ def load_tile(ptrs, rows, row_limit, cols, head_dim, EVEN_D: tl.constexpr, CHECK
 
 
 @triton.jit
+def load_kv_tile(
+    head, desc, batch, kv_head, start_n, local_n, cols, stride_n, stride_d, seqlen_k_b, head_dim,
+    EVEN_D: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """The ``[BLOCK_N, BLOCK_D]`` K or V tile of keys ``start_n + local_n`` of one (batch, kv head).
+
+    USE_TMA: one asynchronous copy through the descriptor ``desc`` (a ``[1, 1, BLOCK_N, BLOCK_D]`` box): the copy
+    engine addresses it, so no pointer tensor is kept in registers.  Only for tiles that need no mask (not MASKED):
+    a descriptor zero-fills rows past Nk, but not keys past ``seqlens_k[b]``, which must read as zeros.  Otherwise
+    pointer loads from ``head``; MASKED: keys ``>= seqlen_k_b`` read as zeros.
+    """
+    if USE_TMA:
+        tile = desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+    else:
+        tile = load_tile(
+            tile_pointers(head, start_n, local_n, cols, stride_n, stride_d), start_n + local_n, seqlen_k_b, cols,
+            head_dim, EVEN_D, MASKED,
+        )  # fmt: skip
+    return tile
+
+
+@triton.jit
 def store_tile(ptrs, value, rows, row_limit, cols, head_dim, EVEN_D: tl.constexpr):
     """Store a ``[rows, BLOCK_D]`` tile, skipping rows ``>= row_limit`` and columns ``>= head_dim``."""
     tl.store(ptrs, value, mask=tile_in_bounds(rows, row_limit, cols, head_dim, EVEN_D))

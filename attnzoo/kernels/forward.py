@@ -22,6 +22,7 @@ from .common import (
     head_pointer,
     key_visible,
     kv_loop_bounds,
+    load_kv_tile,
     load_tile,
     online_softmax_step,
     store_tile,
@@ -67,21 +68,16 @@ def _forward_stage(
 
     FOLD_SCALE: fold ``qk_scale`` (then positive) into the softmax's exponent, one FFMA per score
     (``LaunchContext.fold_scale`` says when).
-    USE_TMA: load K/V through the descriptors ``k_desc``/``v_desc``: one asynchronous copy per tile, addressed
-    by the copy engine, so no ``[BLOCK_N, D]`` pointer tensor is kept in registers.  Only for tiles that need no
-    mask: a descriptor zero-fills rows past Nk, but not keys past ``seqlens_k[b]``, which must read as zeros.
+    USE_TMA: load K/V through the descriptors ``k_desc``/``v_desc`` (``common.load_kv_tile``); unmasked tiles only.
     """
     local_n = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + local_n
-        if USE_TMA:
-            k_tile = k_desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
-        else:
-            k_tile = load_tile(
-                tile_pointers(k_head, start_n, local_n, cols, stride_kn, stride_kd), keys, seqlen_k_b, cols,
-                head_dim, EVEN_D, MASKED,
-            )  # fmt: skip
+        k_tile = load_kv_tile(
+            k_head, k_desc, batch, kv_head, start_n, local_n, cols, stride_kn, stride_kd, seqlen_k_b, head_dim,
+            EVEN_D, MASKED, USE_TMA, BLOCK_N, BLOCK_D,
+        )  # fmt: skip
         qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
         if FOLD_SCALE:
             step_scale = qk_scale
@@ -93,13 +89,10 @@ def _forward_stage(
         if MASKED:
             visible = key_visible(rows[:, None], keys[None, :], diagonal_offset, seqlen_k_b, CAUSAL)
             qk = tl.where(visible, qk, float("-inf"))
-        if USE_TMA:
-            v_tile = v_desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
-        else:
-            v_tile = load_tile(
-                tile_pointers(v_head, start_n, local_n, cols, stride_vn, stride_vd), keys, seqlen_k_b, cols,
-                head_dim, EVEN_D, MASKED,
-            )  # fmt: skip
+        v_tile = load_kv_tile(
+            v_head, v_desc, batch, kv_head, start_n, local_n, cols, stride_vn, stride_vd, seqlen_k_b, head_dim,
+            EVEN_D, MASKED, USE_TMA, BLOCK_N, BLOCK_D,
+        )  # fmt: skip
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, qk, step_scale, v_tile, MASKED, DOT_PRECISION)
         visited += 1
     return acc, m_i, l_i, visited
