@@ -36,16 +36,14 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, scale, seqlens_k, backend, problem):
         o, lse = backend.forward_validated(q, k, v, problem, seqlens_k)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.seqlens_k, ctx.backend = causal, scale, seqlens_k, backend
+        ctx.seqlens_k, ctx.backend, ctx.problem = seqlens_k, backend, problem
         return o
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.backend.backward(
-            do, q, k, v, o, lse, causal=ctx.causal, scale=ctx.scale, seqlens_k=ctx.seqlens_k
-        )
+        dq, dk, dv = ctx.backend.backward_validated(do, q, k, v, o, lse, ctx.problem, ctx.seqlens_k)
         return dq, dk, dv, None, None, None, None, None
 
 

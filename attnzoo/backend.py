@@ -166,7 +166,14 @@ class Backend:
         do, o: ``[B, H, Nq, D]``; lse: ``[B, H, Nq]`` float32.  Returns ``dq`` (shape of q) and
         ``dk``, ``dv`` (shape of k, summed over the query heads of each K/V group).
         """
-        problem = self._validate(q, k, v, causal, scale, seqlens_k)
+        return self.backward_validated(
+            do, q, k, v, o, lse, self._validate(q, k, v, causal, scale, seqlens_k), seqlens_k
+        )
+
+    def backward_validated(
+        self, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, problem: Problem, seqlens_k: Any
+    ) -> tuple[Any, Any, Any]:
+        """``backward`` on q, k, v already validated into ``problem`` (by ``attention``'s forward)."""
         validate_backward(problem, do, o, lse)
         self._check(problem)
         if _is_empty(problem):

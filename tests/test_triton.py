@@ -419,3 +419,38 @@ def test_autotuned_launch_falls_back_when_a_config_does_not_fit(monkeypatch):
     events.clear()
     assert ctx.run("forward", launch, reset=lambda: events.append(("reset", None))) == used  # remembered
     assert events == [("reset", None), ("launch", used)]
+
+
+def test_a_key_where_no_config_fits_fails_the_same_way_every_time(monkeypatch):
+    """When no candidate can launch, every call raises the same RuntimeError: no config is remembered as tuned."""
+    from triton.runtime.errors import OutOfResources
+
+    monkeypatch.setenv("ATTNZOO_AUTOTUNE", "0")
+    monkeypatch.setattr(launch_module, "triton_interpreter_active", lambda: False)
+    monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 10**9)
+    monkeypatch.setattr(tuning, "AUTOTUNER", Autotuner())
+    monkeypatch.setattr(launch_module, "AUTOTUNER", tuning.AUTOTUNER)
+    q = torch.randn(1, 1, 8, 16)
+    ctx = LaunchContext(q=q, k=q, v=q, scale=0.25, causal=False, seqlens_k=None)
+
+    def launch(cfg):
+        raise OutOfResources(1, 0, "shared memory")
+
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="no launch configuration of forward fits"):
+            ctx.run("forward", launch)
+    assert tuning.AUTOTUNER.best == {}
+
+
+def test_grids_count_the_tiles_that_cover_a_sequence():
+    assert [launch_module.num_blocks(n, 64) for n in (1, 63, 64, 65, 128, 1000)] == [1, 1, 1, 2, 2, 16]
+
+
+def test_launch_keys_use_the_next_power_of_two():
+    """The head-dim tile and the autotuner's sequence-length buckets are powers of two, clamped: 16 <= BLOCK_D and
+    64 <= bucket <= 16384 (computed in integer arithmetic, per launch)."""
+    for n in [0, 1, 2, 3, 63, 64, 65, 1000, 1024, 1025, 16383, 16384, 16385, 100_000]:
+        bucket = tuning.seqlen_bucket(n)
+        assert bucket == min(max(64, 2 ** math.ceil(math.log2(max(n, 1)))), 16384)
+    for d in [1, 15, 16, 17, 64, 80, 96, 128, 129, 256]:
+        assert tuning.head_dim_tile(d) == max(16, 2 ** math.ceil(math.log2(d)))

@@ -38,7 +38,7 @@ from .common import (
     store_tile,
     tile_pointers,
 )
-from .launch import LaunchContext, grid_1d, int32_addressable
+from .launch import LaunchContext, grid_1d, int32_addressable, num_blocks
 
 
 @triton.jit
@@ -465,7 +465,7 @@ def attention_backward_2kernel(
     qk_scale = ctx.scale * LOG2E
 
     def launch_dkdv(cfg) -> None:
-        num_n_blocks = triton.cdiv(Nk, cfg.block_n)
+        num_n_blocks = num_blocks(Nk, cfg.block_n)
         dkdv_kernel[grid_1d(num_n_blocks * B * Hkv)](
             q, k, v, do, lse2, delta, dk, dv, ctx.seqlens, ctx.counts_for(num_n_blocks * B * Hkv),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
@@ -477,7 +477,7 @@ def attention_backward_2kernel(
         )  # fmt: skip
 
     def launch_dq(cfg) -> None:
-        num_m_blocks = triton.cdiv(Nq, cfg.block_m)
+        num_m_blocks = num_blocks(Nq, cfg.block_m)
         use_tma, k_desc, v_desc = ctx.kv_tile_descriptors(cfg)
         dq_kernel[grid_1d(num_m_blocks * B * H)](
             q, k, v, k_desc, v_desc, o, do, lse, lse2, delta, dq, ctx.seqlens, ctx.counts_for(num_m_blocks * B * H),

@@ -35,7 +35,7 @@ from .common import (
     tile_in_bounds,
     tile_pointers,
 )
-from .launch import LaunchContext, grid_1d, int32_addressable
+from .launch import LaunchContext, grid_1d, int32_addressable, num_blocks
 from .tuning import INTERPRETER_CONFIG
 
 DELTA_MODES = ("recompute", "preprocess")
@@ -95,7 +95,7 @@ def compute_delta(ctx: LaunchContext, o: torch.Tensor, do: torch.Tensor) -> torc
     B, H, Nq, D = o.shape
     delta = ctx.new_output((B, H, Nq), torch.float32)
     block_m = INTERPRETER_CONFIG.block_m if triton_interpreter_active() else PREPROCESS_BLOCK_M
-    num_m_blocks = triton.cdiv(Nq, block_m)
+    num_m_blocks = num_blocks(Nq, block_m)
     delta_preprocess_kernel[grid_1d(num_m_blocks * B * H)](
         o, do, delta, *o.stride(), *do.stride(), H, Nq, num_m_blocks,
         head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=block_m, num_warps=4,
@@ -384,7 +384,7 @@ def attention_backward_atomic(
         dv_acc.zero_()
 
     def launch(cfg) -> None:
-        num_m_blocks = triton.cdiv(Nq, cfg.block_m)
+        num_m_blocks = num_blocks(Nq, cfg.block_m)
         atomic_backward_kernel[grid_1d(num_m_blocks * B * H)](
             q, k, v, do, lse, delta, dq, dk_acc, dv_acc, ctx.seqlens, ctx.counts_for(num_m_blocks * B * H),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk_acc.stride()[:3],

@@ -28,7 +28,7 @@ from .common import (
     store_tile,
     tile_pointers,
 )
-from .launch import LaunchContext, grid_1d
+from .launch import LaunchContext, grid_1d, num_blocks
 
 
 @triton.jit
@@ -223,7 +223,7 @@ def attention_forward(ctx: LaunchContext) -> tuple[torch.Tensor, torch.Tensor]:
     lse = ctx.new_output((B, H, Nq), torch.float32)
 
     def launch(cfg) -> None:
-        num_m_blocks = triton.cdiv(Nq, cfg.block_m)
+        num_m_blocks = num_blocks(Nq, cfg.block_m)
         use_tma, k_desc, v_desc = ctx.kv_tile_descriptors(cfg)
         attention_forward_kernel[grid_1d(num_m_blocks * B * H)](
             q, k, v, k_desc, v_desc, o, lse, ctx.seqlens, ctx.counts_for(num_m_blocks * B * H),

@@ -4,6 +4,7 @@ the output allocation, the debug counters and the choice of launch config.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -48,6 +49,12 @@ def int32_addressable(x: torch.Tensor, max_head_dim: int = 256) -> torch.Tensor:
     return x.contiguous()
 
 
+@functools.cache
+def _compute_capability_major(index: int) -> int:
+    """The major compute capability of CUDA device ``index`` (cached: torch's query costs host time per call)."""
+    return torch.cuda.get_device_capability(index)[0]
+
+
 def descriptor_loads_possible(x: torch.Tensor) -> bool:
     """Whether tiles of ``x`` ``[B, H, N, D]`` can be loaded through a TMA tensor descriptor.
 
@@ -56,7 +63,7 @@ def descriptor_loads_possible(x: torch.Tensor) -> bool:
     """
     if TensorDescriptor is None:
         return False
-    if not triton_interpreter_active() and not (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9):
+    if not triton_interpreter_active() and not (x.is_cuda and _compute_capability_major(x.device.index or 0) >= 9):
         return False
     itemsize = x.element_size()
     outer_strides_ok = all(stride > 0 and stride * itemsize % 16 == 0 for stride in x.stride()[:-1])
@@ -70,6 +77,11 @@ def tile_descriptor(x: torch.Tensor, block_rows: int, block_d: int) -> TensorDes
     them reads zeros, never the next head.
     """
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, block_rows, block_d])
+
+
+def num_blocks(n: int, block: int) -> int:
+    """How many tiles of ``block`` rows cover ``n`` rows (integer arithmetic: ``triton.cdiv`` costs host time)."""
+    return -(-n // block)
 
 
 def grid_1d(programs: int) -> tuple[int]:
@@ -207,6 +219,12 @@ class LaunchContext:
             self.dot_precision,
             q.device.index,
         )
+        cfg = AUTOTUNER.best.get(key)
+        if cfg is not None:  # tuned by an earlier call, and launched then: the common case, kept short
+            if reset is not None:
+                reset()
+            launch(cfg)
+            return cfg
         configs = candidates(kernel.split(":")[0], self.block_d, q.dtype, q.device)
         if any(c.tma for c in configs) and not self.kv_descriptors:  # a TMA config would launch its pointer twin
             configs = [c for c in configs if not c.tma] or configs
@@ -221,4 +239,5 @@ class LaunchContext:
                 continue
             AUTOTUNER.best[key] = fallback
             return fallback
+        del AUTOTUNER.best[key]
         raise RuntimeError(f"no launch configuration of {kernel} fits this device; tried {configs}")

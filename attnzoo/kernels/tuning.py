@@ -135,14 +135,20 @@ def autotune_enabled() -> bool:
     return os.environ.get("ATTNZOO_AUTOTUNE", "1") not in ("0", "")
 
 
+def _next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), in integer arithmetic: it runs twice per kernel launch, and
+    ``triton.next_power_of_2`` costs several microseconds of host time per call."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def head_dim_tile(head_dim: int) -> int:
     """The padded head-dim tile (BLOCK_D): the next power of two, at least 16 (``tl.dot``'s smallest K)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, _next_power_of_2(head_dim))
 
 
 def seqlen_bucket(n: int) -> int:
     """Power-of-two bucket of a sequence length (64 .. 16384): the best tile changes with N only slowly."""
-    return min(max(64, triton.next_power_of_2(max(n, 1))), 16384)
+    return min(max(64, _next_power_of_2(n)), 16384)
 
 
 # The first candidate's timing is preceded by WARMUP_MS of its untimed runs (the others' by 10 ms), so that timing
