@@ -407,10 +407,11 @@ def test_autotuned_launch_falls_back_when_a_config_does_not_fit(monkeypatch):
     ctx = LaunchContext(q=q, k=q, v=q, scale=0.25, causal=False, seqlens_k=None)
     events = []
     first = tuning.CANDIDATES["forward"][0]
+    too_big = {first}
 
     def launch(cfg):
         events.append(("launch", cfg))
-        if cfg == first:
+        if cfg in too_big:
             raise OutOfResources(1, 0, "shared memory")
 
     used = ctx.run("forward", launch, reset=lambda: events.append(("reset", None)))
@@ -419,6 +420,11 @@ def test_autotuned_launch_falls_back_when_a_config_does_not_fit(monkeypatch):
     events.clear()
     assert ctx.run("forward", launch, reset=lambda: events.append(("reset", None))) == used  # remembered
     assert events == [("reset", None), ("launch", used)]
+    # A later call of the same key that no longer fits the remembered config (another specialisation): the next
+    # candidate that fits runs, and is remembered.
+    too_big.add(used)
+    after = tuning.CANDIDATES["forward"][2]
+    assert ctx.run("forward", launch) == after and list(tuning.AUTOTUNER.best.values()) == [after]
 
 
 def test_a_key_where_no_config_fits_fails_the_same_way_every_time(monkeypatch):

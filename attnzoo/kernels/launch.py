@@ -221,10 +221,13 @@ class LaunchContext:
         )
         cfg = AUTOTUNER.best.get(key)
         if cfg is not None:  # tuned by an earlier call, and launched then: the common case, kept short
-            if reset is not None:
-                reset()
-            launch(cfg)
-            return cfg
+            try:
+                if reset is not None:
+                    reset()
+                launch(cfg)
+                return cfg
+            except OutOfResources:  # another specialisation of this key (say, another head dim) may need more
+                del AUTOTUNER.best[key]
         configs = candidates(kernel.split(":")[0], self.block_d, q.dtype, q.device)
         if any(c.tma for c in configs) and not self.kv_descriptors:  # a TMA config would launch its pointer twin
             configs = [c for c in configs if not c.tma] or configs
