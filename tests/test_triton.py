@@ -393,18 +393,24 @@ def test_only_views_that_could_wrap_int32_are_copied():
     assert copied is not wide and copied.is_contiguous() and torch.equal(copied, wide)
 
 
-def test_autotuned_launch_falls_back_when_a_config_does_not_fit(monkeypatch):
-    """The GPU path of LaunchContext.run, driven on the CPU with a fake launch: autotuning off, the first
-    candidate runs out of shared memory, the next one runs, and every launch is preceded by a reset."""
-    from triton.runtime.errors import OutOfResources
-
+def _gpu_launch_path_on_the_cpu(monkeypatch) -> LaunchContext:
+    """A launch context whose ``run`` takes the GPU path (tuned configs, fallbacks) with a fresh autotuner, tuning
+    off (the first fitting candidate is the choice) and no shared-memory pruning."""
     monkeypatch.setenv("ATTNZOO_AUTOTUNE", "0")
     monkeypatch.setattr(launch_module, "triton_interpreter_active", lambda: False)
     monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 10**9)
     monkeypatch.setattr(tuning, "AUTOTUNER", Autotuner())
     monkeypatch.setattr(launch_module, "AUTOTUNER", tuning.AUTOTUNER)
     q = torch.randn(1, 1, 8, 16)
-    ctx = LaunchContext(q=q, k=q, v=q, scale=0.25, causal=False, seqlens_k=None)
+    return LaunchContext(q=q, k=q, v=q, scale=0.25, causal=False, seqlens_k=None)
+
+
+def test_autotuned_launch_falls_back_when_a_config_does_not_fit(monkeypatch):
+    """The GPU path of LaunchContext.run, driven on the CPU with a fake launch: autotuning off, the first
+    candidate runs out of shared memory, the next one runs, and every launch is preceded by a reset."""
+    from triton.runtime.errors import OutOfResources
+
+    ctx = _gpu_launch_path_on_the_cpu(monkeypatch)
     events = []
     first = tuning.CANDIDATES["forward"][0]
     too_big = {first}
@@ -431,13 +437,7 @@ def test_a_key_where_no_config_fits_fails_the_same_way_every_time(monkeypatch):
     """When no candidate can launch, every call raises the same RuntimeError: no config is remembered as tuned."""
     from triton.runtime.errors import OutOfResources
 
-    monkeypatch.setenv("ATTNZOO_AUTOTUNE", "0")
-    monkeypatch.setattr(launch_module, "triton_interpreter_active", lambda: False)
-    monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 10**9)
-    monkeypatch.setattr(tuning, "AUTOTUNER", Autotuner())
-    monkeypatch.setattr(launch_module, "AUTOTUNER", tuning.AUTOTUNER)
-    q = torch.randn(1, 1, 8, 16)
-    ctx = LaunchContext(q=q, k=q, v=q, scale=0.25, causal=False, seqlens_k=None)
+    ctx = _gpu_launch_path_on_the_cpu(monkeypatch)
 
     def launch(cfg):
         raise OutOfResources(1, 0, "shared memory")

@@ -84,6 +84,17 @@ def num_blocks(n: int, block: int) -> int:
     return -(-n // block)
 
 
+def _launched(cfg: KernelConfig, launch: Callable[[KernelConfig], None], reset: Callable[[], None] | None) -> bool:
+    """Launch ``cfg`` after ``reset``; False if it does not fit the device (out of shared memory or registers)."""
+    try:
+        if reset is not None:
+            reset()
+        launch(cfg)
+    except OutOfResources:
+        return False
+    return True
+
+
 def grid_1d(programs: int) -> tuple[int]:
     """A 1-d grid: programs are laid out flat so that B*H may exceed the 65535 limit of grid axes 1 and 2."""
     return (programs,)
@@ -221,26 +232,17 @@ class LaunchContext:
         )
         cfg = AUTOTUNER.best.get(key)
         if cfg is not None:  # tuned by an earlier call, and launched then: the common case, kept short
-            try:
-                if reset is not None:
-                    reset()
-                launch(cfg)
+            if _launched(cfg, launch, reset):
                 return cfg
-            except OutOfResources:  # another specialisation of this key (say, another head dim) may need more
-                del AUTOTUNER.best[key]
+            del AUTOTUNER.best[key]  # another specialisation of this key (say, another head dim) needs more
         configs = candidates(kernel.split(":")[0], self.block_d, q.dtype, q.device)
         if any(c.tma for c in configs) and not self.kv_descriptors:  # a TMA config would launch its pointer twin
             configs = [c for c in configs if not c.tma] or configs
         cfg = AUTOTUNER.choose(key, configs, launch, reset)
         # The shared-memory estimate is rough: if the chosen config does not fit after all, take the next.
         for fallback in [cfg] + [c for c in configs if c != cfg]:
-            try:
-                if reset is not None:
-                    reset()
-                launch(fallback)
-            except OutOfResources:
-                continue
-            AUTOTUNER.best[key] = fallback
-            return fallback
+            if _launched(fallback, launch, reset):
+                AUTOTUNER.best[key] = fallback
+                return fallback
         del AUTOTUNER.best[key]
         raise RuntimeError(f"no launch configuration of {kernel} fits this device; tried {configs}")
