@@ -309,32 +309,57 @@ def test_autotuner_describes_its_choice_fastest_first(monkeypatch):
     assert tuner.choose(key, configs, calls.append, None) == KernelConfig(32, 64, 4, 2)
     assert tuner.describe(key) == (
         "dkdv BLOCK_D=128 float16 causal=True seqlens=False Nq<=4096 Nk<=4096: "
-        "32x64 w4 s2 1.00, 16x16 w1 s1 1.50, 64x64 w4 s2 2.00"
+        "32x64 w4 s2 1.00 [1.00 1.00], 16x16 w1 s1 1.50 [1.50 1.50], 64x64 w4 s2 2.00 [2.00]"
     )
 
 
-def test_autotuner_retimes_close_candidates_in_alternating_rounds(monkeypatch):
-    """Candidates within 10% of the fastest first timing are timed again, in turns, and the median of their rounds
-    decides; a clearly slower candidate is not timed again."""
-    a, b, slow = KernelConfig(64, 64, 4, 2), KernelConfig(32, 64, 4, 2), KernelConfig(16, 16, 1, 1)
-    first = {a: 1.00, b: 1.08, slow: 1.2}
-    rounds = {a: [1.10, 1.12, 0.90], b: [1.00, 1.01, 1.02]}  # a's one fast round is an outlier
-    launched, timed = [], []
+def _fake_bench_from(times: dict[KernelConfig, list[float]], launched: list, timed: list):
+    """A stand-in for ``triton.testing.do_bench``: the i-th timing of a config returns ``times[config][i]``."""
 
     def fake_bench(fn, **kwargs):
         fn()
         cfg = launched[-1]
         timed.append(cfg)
-        count = timed.count(cfg)
-        return first[cfg] if count == 1 else rounds[cfg][count - 2]
+        return times[cfg][timed.count(cfg) - 1]
 
-    monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
+    return fake_bench
+
+
+def test_autotuner_screens_twice_then_retimes_close_candidates_in_alternating_rounds(monkeypatch):
+    """Every candidate within 50% of the fastest first timing is timed a second time, in reverse order, and counts
+    with its faster timing; those within 10% of the fastest are then timed again, in turns, and the median of their
+    rounds decides.  A clearly slower candidate is timed once."""
+    a, b, slow, slower = (KernelConfig(64, 64, 4, 2), KernelConfig(32, 64, 4, 2), KernelConfig(16, 16, 1, 1),
+                          KernelConfig(16, 32, 1, 1))  # fmt: skip
+    times = {
+        a: [1.00, 1.02, 1.10, 1.12, 0.90],  # screens, then three rounds with one fast outlier
+        b: [1.08, 1.09, 1.00, 1.01, 1.02],
+        slow: [1.2, 1.3],
+        slower: [1.6],
+    }
+    launched, timed = [], []
+    monkeypatch.setattr(triton.testing, "do_bench", _fake_bench_from(times, launched, timed))
     monkeypatch.setenv("ATTNZOO_AUTOTUNE", "1")
     tuner = Autotuner()
     key = ("forward", 64, torch.float16, False, False, 1024, 1024, "ieee", 0)
-    assert tuner.choose(key, [a, b, slow], launched.append, None) == b
-    assert timed == [a, b, slow, a, b, a, b, a, b]
-    assert tuner.timings[key] == {a: 1.10, b: 1.01, slow: 1.2}
+    assert tuner.choose(key, [a, b, slow, slower], launched.append, None) == b
+    assert timed == [a, b, slow, slower, slow, b, a, a, b, a, b, a, b]
+    assert tuner.timings[key] == {a: 1.10, b: 1.01, slow: 1.2, slower: 1.6}
+    assert tuner.screens[key] == {a: [1.00, 1.02], b: [1.08, 1.09], slow: [1.2, 1.3], slower: [1.6]}
+
+
+def test_autotuner_recovers_a_candidate_whose_first_timing_was_slow(monkeypatch):
+    """One slow timing (the GPU in a slow phase) must not drop the fastest candidate: its second screening timing
+    brings it into the re-timing, which it wins."""
+    best, other = KernelConfig(128, 64, 8, 3, tma=True), KernelConfig(128, 64, 8, 3)
+    times = {other: [1.00, 1.01, 1.06, 1.07, 1.06], best: [1.20, 0.99, 1.00, 0.98, 1.01]}
+    launched, timed = [], []
+    monkeypatch.setattr(triton.testing, "do_bench", _fake_bench_from(times, launched, timed))
+    monkeypatch.setenv("ATTNZOO_AUTOTUNE", "1")
+    tuner = Autotuner()
+    key = ("dq", 128, torch.float16, False, False, 16384, 16384, "ieee", 0)
+    assert tuner.choose(key, [other, best], launched.append, None) == best
+    assert tuner.timings[key] == {other: 1.06, best: 1.00}
 
 
 def test_autotuner_compiles_every_candidate_before_timing_and_warms_up_the_first(monkeypatch):
@@ -354,7 +379,8 @@ def test_autotuner_compiles_every_candidate_before_timing_and_warms_up_the_first
     key = ("forward", 64, torch.float16, False, False, 1024, 1024, "ieee", 0)
     assert tuner.choose(key, configs, lambda cfg: events.append(("launch", cfg)), None) == configs[0]
     assert events[:3] == [("launch", cfg) for cfg in configs]
-    assert [e for e in events if e[0] == "timed"] == [("timed", tuning.WARMUP_MS), ("timed", 10.0), ("timed", 10.0)]
+    warmups = [e[1] for e in events if e[0] == "timed"]
+    assert warmups[:3] == [tuning.WARMUP_MS, 10.0, 10.0] and set(warmups[3:]) == {10.0}
 
 
 def test_candidates_pruned_by_shared_memory(monkeypatch):

@@ -151,11 +151,12 @@ def seqlen_bucket(n: int) -> int:
     return min(max(64, _next_power_of_2(n)), 16384)
 
 
-# The first candidate's timing is preceded by WARMUP_MS of its untimed runs (the others' by 10 ms), so that timing
-# starts on a GPU that has been running rather than one idle through compilation.  Candidates whose first timing is
-# within RETIME_WITHIN of the fastest (at most RETIME_MAX of them) are timed RETIME_ROUNDS more times, in alternating
-# order; each then counts with the median of those rounds.
+# Screening: every candidate is timed once (the first after WARMUP_MS of its untimed runs, the others after 10 ms), then
+# those within SCREEN_AGAIN_WITHIN of the fastest once more in reverse order; each counts with the faster of its two
+# timings.  Candidates within RETIME_WITHIN of the fastest (at most RETIME_MAX of them) are then timed RETIME_ROUNDS
+# more times, in alternating order; each of those counts with the median of its rounds.
 WARMUP_MS = 50.0
+SCREEN_AGAIN_WITHIN = 0.5
 RETIME_WITHIN = 0.10
 RETIME_MAX = 4
 RETIME_ROUNDS = 3
@@ -169,16 +170,17 @@ class Autotuner:
     picked in two tunings of three; with the re-timing, the best in all three; docs/NOTES-kernels.md).  Timing
     the close ones in alternating rounds spreads any drift of the GPU's state over all of them.  All candidates
     are compiled before any is timed, so that no timing follows a second of idle GPU (compilation is host work).
-    At the 16-bit D=128 full forward (N = 1k, 2k, 16k; 3 tunings each, on the H100), the tile picked was within 1%
-    of the fastest by the benchmark's timing in 11 tunings of 12 (the other 3.6% slower); the previous method
-    (compiling between timings, no warm-up, re-timing up to 3 candidates within 5%) gave 8 of 12 (the others 3-7%
-    slower; docs/NOTES-kernels.md).
+    One timing can also be far off: a grid's tuning timed the dQ tile that won every other D=128 key 18-20% slow at
+    fp16 N=16k, outside the re-timing's 10%, and the backward there lost 5-6% (docs/NOTES-kernels.md).  So the
+    screening times every plausible candidate twice, the second time in reverse order (after other neighbours),
+    and keeps its faster timing: a timing is rarely too fast, while a slow phase of the GPU makes it too slow.
     ``reset`` runs before every timed and final launch.
     """
 
     def __init__(self) -> None:
         self.best: dict[tuple, KernelConfig] = {}
         self.timings: dict[tuple, dict[KernelConfig, float]] = {}
+        self.screens: dict[tuple, dict[KernelConfig, list[float]]] = {}
 
     def choose(
         self,
@@ -210,7 +212,12 @@ class Autotuner:
             runnable.append(cfg)
         if not runnable:
             raise RuntimeError(f"no launch configuration of {key[0]} fits this device; tried {configs}")
-        timings = {cfg: time_of(cfg, rep=40, warmup=WARMUP_MS if cfg is runnable[0] else 10.0) for cfg in runnable}
+        screens = {cfg: [time_of(cfg, rep=40, warmup=WARMUP_MS if cfg is runnable[0] else 10.0)] for cfg in runnable}
+        fastest = min(times[0] for times in screens.values())
+        for cfg in reversed(runnable):
+            if screens[cfg][0] <= fastest * (1 + SCREEN_AGAIN_WITHIN):
+                screens[cfg].append(time_of(cfg, rep=25))
+        timings = {cfg: min(times) for cfg, times in screens.items()}
         fastest = min(timings.values())
         close = sorted((c for c in timings if timings[c] <= fastest * (1 + RETIME_WITHIN)), key=timings.get)
         close = close[:RETIME_MAX]
@@ -221,14 +228,18 @@ class Autotuner:
                     rounds[cfg].append(time_of(cfg, rep=25))
             timings.update({cfg: statistics.median(times) for cfg, times in rounds.items()})
         best = min(timings, key=timings.get)
-        self.best[key], self.timings[key] = best, timings
+        self.best[key], self.timings[key], self.screens[key] = best, timings, screens
         return best
 
     def describe(self, key: tuple) -> str:
-        """One line for a tuned key: the candidates fastest first, each as its time over the fastest's."""
+        """One line for a tuned key: the candidates fastest first, each as its time over the fastest's, followed by
+        its screening timings on the same scale in brackets (a large gap between them flags a noisy GPU)."""
         timings = sorted(self.timings[key].items(), key=lambda item: item[1])
         fastest = timings[0][1]
-        ranked = ", ".join(f"{c} {t / fastest:.2f}" for c, t in timings)
+        screens = self.screens[key]
+        ranked = ", ".join(
+            f"{c} {t / fastest:.2f} [{' '.join(f'{s / fastest:.2f}' for s in screens[c])}]" for c, t in timings
+        )
         kernel, block_d, dtype, causal, has_seqlens, nq, nk = key[:7]
         return (
             f"{kernel} BLOCK_D={block_d} {str(dtype).removeprefix('torch.')} causal={causal} "
