@@ -30,6 +30,7 @@ from triton.compiler import ASTSource
 from attnzoo.kernels.backward_2kernel import dkdv_kernel, dq_kernel
 from attnzoo.kernels.backward_atomic import atomic_backward_kernel
 from attnzoo.kernels.forward import attention_forward_kernel
+from attnzoo.kernels.forward_gluon import gluon_available
 from attnzoo.kernels.launch import folds_scale
 from attnzoo.kernels.tuning import CANDIDATES, KernelConfig, head_dim_tile
 
@@ -79,14 +80,43 @@ def source(kernel, dtype: str, d: int, cfg: KernelConfig, causal: bool, q_tail: 
     return ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
+def gluon_source(dtype: str, d: int, cfg: KernelConfig, causal: bool):
+    """The Gluon Hopper forward (a ``gluon`` forward config) as ``forward_gluon.attention_forward_hopper`` launches
+    it: descriptors of ``[1, 1, rows, d]`` boxes of q/o (BLOCK_M rows) and k/v (BLOCK_N rows)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from attnzoo.kernels.forward_gluon import attention_forward_hopper_kernel as kernel
+
+    def descriptor(rows: int) -> str:
+        box = [1, 1, rows, d]
+        layout = gl.NVMMASharedLayout.get_default_for(box, gl.float16 if dtype == "fp16" else gl.bfloat16)
+        return f"tensordesc<{DTYPES[dtype]}[{', '.join(map(str, box))}],{layout!r}>"
+
+    flags = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=d, CAUSAL=causal, NUM_STAGES=cfg.num_stages,
+                 IS_FP16=dtype == "fp16")  # fmt: skip
+    signature, constexprs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in flags:
+            signature[name], constexprs[(i,)] = "constexpr", flags[name]
+        elif name.endswith("_desc"):
+            signature[name] = descriptor(cfg.block_m if name in ("q_desc", "o_desc") else cfg.block_n)
+        elif name == "lse_ptr":
+            signature[name] = "*fp32"
+        else:
+            signature[name] = "fp32" if name in SCALARS else "i32"
+    return GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+
+
 def report(kernel_name: str, dtype: str, d: int, cfg: KernelConfig, causal: bool, q_tail: bool) -> dict:
-    """Registers, spill bytes and global store / reduction widths of one compiled config."""
-    kernel = KERNELS[kernel_name]
-    compiled = triton.compile(
-        source(kernel, dtype, d, cfg, causal, q_tail),
-        target=TARGET,
-        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-    )
+    """Registers, spill bytes, global store / reduction widths and the wgmma waits of one compiled config."""
+    if cfg.gluon:
+        if not gluon_available():
+            raise SystemExit("this Triton has no Gluon Hopper API")
+        src = gluon_source(dtype, d, cfg, causal)
+    else:
+        src = source(KERNELS[kernel_name], dtype, d, cfg, causal, q_tail)
+    compiled = triton.compile(src, target=TARGET, options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     ptx = compiled.asm["ptx"]
     path = f"/tmp/attnzoo_{kernel_name}_{os.getpid()}.ptx"
     with open(path, "w") as fh:
@@ -106,14 +136,16 @@ def report(kernel_name: str, dtype: str, d: int, cfg: KernelConfig, causal: bool
         spill_stores=number(r"(\d+) bytes spill stores"),
         spill_loads=number(r"(\d+) bytes spill loads"),
         stores=collections.Counter(re.findall(r"\bst\.global((?:\.v\d)?\.[bf]\d+)", ptx)),
+        # Asynchronous products waited for with some still in flight ("wait 1") are what overlaps the softmax.
+        mma_waits=collections.Counter(re.findall(r"\bwgmma\.wait_group\.sync\.aligned (\d+)", ptx)),
         reductions=collections.Counter(re.findall(r"\bred\.global(?:\.\w+)*?\.add((?:\.v\d)?\.[bf]\d+)", ptx)),
     )
 
 
 def parse_config(text: str) -> KernelConfig:
-    """``BLOCK_M,BLOCK_N,warps,stages[,tma]`` -> KernelConfig."""
+    """``BLOCK_M,BLOCK_N,warps,stages[,tma|,gluon]`` -> KernelConfig."""
     fields = text.split(",")
-    return KernelConfig(*map(int, fields[:4]), tma=fields[4:] == ["tma"])
+    return KernelConfig(*map(int, fields[:4]), tma="tma" in fields[4:], gluon="gluon" in fields[4:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernel", default="forward,dkdv,dq", help="comma list of " + ", ".join(KERNELS))
     parser.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
     parser.add_argument("--d", default="128", help="head dims, comma list")
-    parser.add_argument("--config", help="BLOCK_M,BLOCK_N,warps,stages[,tma] (default: every autotuning candidate)")
+    parser.add_argument(
+        "--config", help="BLOCK_M,BLOCK_N,warps,stages[,tma|,gluon] (default: every autotuning candidate)"
+    )
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--q-tail", action="store_true", help="dkdv: Nq not a multiple of BLOCK_M")
     args = parser.parse_args(argv)
@@ -134,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"{name} {args.dtype} D={d} {cfg}: "
                     f"{r['registers']} registers, spill {r['spill_stores']}/{r['spill_loads']} B stored/loaded, "
-                    f"stores {widths(r['stores'])}, reductions {widths(r['reductions'])}",
+                    f"stores {widths(r['stores'])}, reductions {widths(r['reductions'])}, "
+                    f"wgmma waits {widths(r['mma_waits'])}",
                     flush=True,
                 )
     return 0

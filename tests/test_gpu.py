@@ -20,6 +20,7 @@ from attnzoo.backends.triton_atomic import variant
 from attnzoo.kernels.backward_2kernel import attention_backward_2kernel
 from attnzoo.kernels.backward_atomic import attention_backward_atomic
 from attnzoo.kernels.forward import attention_forward
+from attnzoo.kernels.launch import LaunchContext
 from attnzoo.kernels.tuning import CANDIDATES, candidates, head_dim_tile
 
 pytestmark = pytest.mark.gpu
@@ -187,6 +188,69 @@ def test_every_candidate_config_is_correct(dtype, D):
                 continue
             _small_check((o_ref, lse_ref, *grads), q, k, v, do, True, sl)
     _report(f"[configs] {dtype} D={D} out of resources: {sorted(set(out_of_resources))}")
+
+
+# (dtype, B, H, Hkv, Nq, Nk, D, causal, layout): tails on both sides, Nq < Nk and Nq > Nk under the causal mask
+# (rows with no visible key), one-tile problems, one query row, grouped-query heads, and [B, N, H, D] memory.
+HOPPER_CASES = [
+    (torch.float16, 2, 4, 2, 1024, 1024, 128, False, "bhnd"),
+    (torch.float16, 2, 4, 2, 1024, 1024, 128, True, "bhnd"),
+    (torch.float16, 3, 2, 1, 1000, 1500, 64, True, "bhnd"),
+    (torch.bfloat16, 1, 2, 2, 1500, 700, 128, True, "bhnd"),
+    (torch.bfloat16, 2, 3, 3, 129, 77, 64, False, "bhnd"),
+    (torch.float16, 1, 1, 1, 1, 300, 128, True, "bhnd"),
+    (torch.bfloat16, 2, 4, 4, 640, 640, 128, True, "bnhd"),
+    (torch.float16, 4, 2, 1, 2048, 2048, 64, False, "bnhd"),
+]
+
+
+@pytest.mark.parametrize("cfg", [c for c in CANDIDATES["forward"] if c.gluon], ids=str)
+def test_gluon_hopper_forward_against_oracle(cfg):
+    """Each ``gluon`` forward candidate runs the Gluon kernel on these inputs (not its Triton twin) and keeps the
+    contract: o within SPEC.md's bound of the float64 oracle, lse exact to float32 rounding, -inf on empty rows."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon forward needs an sm_90 GPU")
+    for dtype, B, H, Hkv, Nq, Nk, D, causal, layout in HOPPER_CASES:
+        g = torch.Generator(device=CUDA).manual_seed(Nq * 7 + Nk)
+
+        def make(heads, n, layout=layout, D=D, dtype=dtype, B=B, g=g):
+            if layout == "bnhd":
+                return torch.randn(B, n, heads, D, device=CUDA, dtype=dtype, generator=g).transpose(1, 2)
+            return torch.randn(B, heads, n, D, device=CUDA, dtype=dtype, generator=g)
+
+        q, k, v = make(H, Nq), make(Hkv, Nk), make(Hkv, Nk)
+        ctx = LaunchContext(q, k, v, D**-0.5, causal, None, forced_config={"forward": cfg})
+        assert ctx.hopper_forward, ctx.hopper_forward_reasons()
+        o, lse = attention_forward(ctx)
+        ref = oracle.reference(q, k, v, causal=causal, device=CUDA)
+        base = oracle.plain_torch(q, k, v, None, causal)
+        errors = []
+        for name, got in (("o", o), ("lse", lse)):
+            check = oracle.check_output(name, got, getattr(ref, name).cpu(), getattr(base, name), dtype)
+            assert check.ok, (
+                f"{cfg} {dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D={D} causal={causal}: {name}: {check.message}"
+            )
+            errors.append(f"{name} {check.error:.2e}/{check.bound:.2e}")
+        _report(f"[gluon] {cfg} {str(dtype)[6:]} N={Nq}x{Nk} D={D} causal={causal} {layout}: {' '.join(errors)}")
+
+
+def test_gluon_hopper_forward_scope():
+    """The Gluon forward is used where its contract holds and left for the Triton kernel elsewhere."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon forward needs an sm_90 GPU")
+    q, k, v, _, sl = _make(2, 4, 2, 256, 256, 128, torch.float16, [256, 100])
+    assert LaunchContext(q, k, v, 0.1, True, None).hopper_forward
+    outside = {
+        "seqlens_k": LaunchContext(q, k, v, 0.1, True, sl),
+        "dtype": LaunchContext(q.float(), k.float(), v.float(), 0.1, True, None),
+        "head dim": LaunchContext(q[..., :96], k[..., :96], v[..., :96], 0.1, True, None),
+        "scale": LaunchContext(q, k, v, -0.1, True, None),
+        # rows 132 * 2 bytes apart: not a multiple of 16 bytes
+        "TMA": LaunchContext(q, torch.randn(2, 2, 256, 132, device=CUDA, dtype=q.dtype)[..., :128], v, 0.1, True, None),
+    }
+    for what, ctx in outside.items():
+        reasons = ctx.hopper_forward_reasons()
+        assert not ctx.hopper_forward and any(what in r for r in reasons), (what, reasons)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -37,10 +37,29 @@ def test_outputs_leave_every_kernel_in_16_byte_stores():
     lines = _ptx_report("--kernel", "forward,dkdv,dq,atomic", "--d", "128", "--config", "64,64,4,3")
     assert len(lines) == 4
     for line in lines:
-        stores = re.search(r"stores (\S+(?: \S+)*?), reductions (.*)$", line)
+        stores = re.search(r"stores (\S+(?: \S+)*?), reductions (.*?), wgmma waits", line)
         assert stores, line
         store_widths = {w.split("x", 1)[1] for w in stores.group(1).split()}
         # The per-row lse (float32, one value per row) is the only scalar store allowed.
         assert store_widths <= {".v4.b32", ".b32"} and ".v4.b32" in store_widths, line
         if line.startswith("atomic"):
             assert {w.split("x", 1)[1] for w in stores.group(2).split()} == {".v4.f32"}, line
+
+
+def test_the_gluon_forward_keeps_a_product_in_flight_during_the_softmax():
+    """The Gluon Hopper forward exists to overlap the softmax of S_j with the product P_{j-1} V_{j-1}: its loop must
+    wait for the wgmma groups with one still in flight ("wait 1"), and no candidate may spill (ptxas)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from attnzoo.kernels.tuning import CANDIDATES
+
+    configs = [c for c in CANDIDATES["forward"] if c.gluon]
+    assert configs
+    for cfg in configs:
+        flags = ",".join(map(str, (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages))) + ",gluon"
+        for causal in ((), ("--causal",)):
+            lines = _ptx_report("--kernel", "forward", "--d", "64,128", "--config", flags, *causal)
+            assert len(lines) == 2
+            for line in lines:
+                assert "spill 0/0 B" in line, line
+                waits = re.search(r"wgmma waits (.*)$", line).group(1).split()
+                assert "1x1" in waits, line

@@ -174,6 +174,46 @@ def test_descriptor_loads_need_aligned_rows_and_a_unit_last_stride():
     torch.testing.assert_close(o.double(), oracle.reference(q, k, v).o, atol=1e-5, rtol=1e-5)
 
 
+def test_a_gluon_config_outside_the_hopper_forwards_scope_runs_its_triton_twin():
+    """A ``gluon`` forward config runs the Gluon Hopper kernel only where it can (``hopper_forward_reasons``); here
+    (the interpreter, or float32 on a GPU) it runs the Triton kernel with the same tiles: the same bits out."""
+    q, k, v, _, sl = _inputs(2, 2, 1, 37, 53, 40, [46, 0])
+    problem = attnzoo.get("triton_2kernel")._validate(q, k, v, True, None, sl)
+    triton_cfg = KernelConfig(16, 16, 1, 1)
+    gluon_ctx = t2k_module.make_context(q, k, v, problem, sl, forced_config=dataclasses.replace(triton_cfg, gluon=True))
+    reasons = gluon_ctx.hopper_forward_reasons()
+    assert reasons and not gluon_ctx.hopper_forward
+    assert any("seqlens_k" in r or "interpreter" in r or "Gluon" in r for r in reasons), reasons
+    o, lse = attention_forward(gluon_ctx)
+    o_twin, lse_twin = attention_forward(t2k_module.make_context(q, k, v, problem, sl, forced_config=triton_cfg))
+    assert torch.equal(o, o_twin) and torch.equal(lse, lse_twin)
+
+
+def test_gluon_candidates_are_not_tuned_where_they_would_run_their_twins(monkeypatch):
+    """Outside the Gluon forward's scope a ``gluon`` candidate would launch the Triton kernel with the same tiles:
+    the tuner drops it instead of timing one kernel twice; inside the scope it is a candidate like any other."""
+    q, k, v, _, _ = _inputs(1, 2, 2, 64, 64, 64, None, dtype=torch.float16)
+    problem = attnzoo.get("triton_2kernel")._validate(q, k, v, False, None, None)
+    seen = []
+
+    def fake_choose(key, configs, launch, reset):
+        seen.append(list(configs))
+        return configs[0]
+
+    monkeypatch.setattr(launch_module.AUTOTUNER, "choose", fake_choose)
+    monkeypatch.setattr(launch_module, "_launched", lambda cfg, launch, reset: True)
+    monkeypatch.setattr(launch_module, "triton_interpreter_active", lambda: False)
+    monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 232_448)  # an H100's
+    for in_scope in (False, True):
+        ctx = t2k_module.make_context(q, k, v, problem, None)
+        monkeypatch.setattr(LaunchContext, "hopper_forward_reasons", lambda self, r=in_scope: [] if r else ["no"])
+        launch_module.AUTOTUNER.best.clear()
+        ctx.run("forward", lambda cfg: None)
+    assert seen[0] and not any(c.gluon for c in seen[0])
+    assert any(c.gluon for c in seen[1]) and any(not c.gluon for c in seen[1])
+    launch_module.AUTOTUNER.best.clear()
+
+
 def test_tile_counts_rejects_unknown_kernel():
     q, k, v, _, _ = _inputs(1, 1, 1, 16, 16, 16, None)
     with pytest.raises(ValueError, match="kernel"):

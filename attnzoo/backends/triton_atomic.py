@@ -26,7 +26,10 @@ class TritonAtomic(TritonBackend):
 
     name = "triton_atomic"
     capabilities = Capabilities(
-        summary="Triton FA2 forward; one Q-stationary backward kernel, dK/dV added with tl.atomic_add",
+        summary=(
+            "Triton FA2 forward (on Hopper also the Gluon one); one Q-stationary backward kernel, dK/dV added "
+            "with tl.atomic_add"
+        ),
         devices=frozenset({"cuda", "cpu"}),
         dtypes=TRITON_DTYPES,
         max_head_dim=TRITON_MAX_HEAD_DIM,

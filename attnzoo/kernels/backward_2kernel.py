@@ -31,6 +31,7 @@ from .common import (
     load_kv_tile,
     load_lse2,
     load_tile,
+    q_block_program,
     q_loop_bounds,
     recompute_p,
     row_delta,
@@ -377,13 +378,7 @@ def dq_kernel(
     USE_TMA: the unmasked stage loads K/V through the descriptors ``k_desc``/``v_desc`` (box ``[BLOCK_N, BLOCK_D]``).
     """
     pid = tl.program_id(0)
-    bh = pid // num_m_blocks
-    m_block = pid % num_m_blocks
-    if CAUSAL:
-        m_block = num_m_blocks - 1 - m_block  # longest rows first
-    batch = bh // num_heads
-    head = bh % num_heads
-    kv_head = head // group_size
+    bh, m_block, batch, head, kv_head = q_block_program(pid, num_m_blocks, num_heads, group_size, CAUSAL)
     start_m = m_block * BLOCK_M
     seqlen_k_b = batch_seqlen_k(seqlens_ptr, batch, seqlen_k, HAS_SEQLENS)
 

@@ -29,6 +29,7 @@ from .common import (
     kv_loop_bounds,
     load_lse2,
     load_tile,
+    q_block_program,
     row_delta,
     softmax_grad_tile,
     store_tile,
@@ -279,13 +280,7 @@ def atomic_backward_kernel(
     are not compiled.  DEBUG writes (visited, skipped) K/V tile counts of the main (atomic) pass.
     """
     pid = tl.program_id(0)
-    bh = pid // num_m_blocks
-    m_block = pid % num_m_blocks
-    if CAUSAL:
-        m_block = num_m_blocks - 1 - m_block  # longest rows first
-    batch = bh // num_heads
-    head = bh % num_heads
-    kv_head = head // group_size
+    bh, m_block, batch, head, kv_head = q_block_program(pid, num_m_blocks, num_heads, group_size, CAUSAL)
     start_m = m_block * BLOCK_M
     seqlen_k_b = batch_seqlen_k(seqlens_ptr, batch, seqlen_k, HAS_SEQLENS)
 

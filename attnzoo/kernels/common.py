@@ -129,6 +129,23 @@ def batch_seqlen_k(seqlens_ptr, batch, seqlen_k, HAS_SEQLENS: tl.constexpr):
 
 
 @triton.jit
+def q_block_program(pid, num_m_blocks, num_heads, group_size, CAUSAL: tl.constexpr):
+    """Which Q block of which (batch, head) program ``pid`` of a Q-stationary grid (num_m_blocks * B * H programs)
+    computes -> ``(bh, m_block, batch, head, kv_head)``.
+
+    Consecutive programs share a (batch, head), so its K/V stays in L2 across them.  With CAUSAL the block order is
+    reversed so that the longest rows (most K/V tiles) start first and the tail of the grid is short.
+    """
+    bh = pid // num_m_blocks
+    m_block = pid % num_m_blocks
+    if CAUSAL:
+        m_block = num_m_blocks - 1 - m_block
+    batch = bh // num_heads
+    head = bh % num_heads
+    return bh, m_block, batch, head, head // group_size
+
+
+@triton.jit
 def kv_loop_bounds(
     start_m,
     seqlen_q,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.compiler.errors import CompilationError
 
 from .common import (
     LOG2E,
@@ -25,9 +26,11 @@ from .common import (
     load_kv_tile,
     load_tile,
     online_softmax_step,
+    q_block_program,
     store_tile,
     tile_pointers,
 )
+from .forward_gluon import attention_forward_hopper, record_compile_failure
 from .launch import LaunchContext, grid_1d, num_blocks
 
 
@@ -153,13 +156,7 @@ def attention_forward_kernel(
     compiled.  DEBUG writes (visited, skipped) K/V tile counts of the program to ``counts_ptr``.
     """
     pid = tl.program_id(0)
-    bh = pid // num_m_blocks
-    m_block = pid % num_m_blocks
-    if CAUSAL:
-        m_block = num_m_blocks - 1 - m_block
-    batch = bh // num_heads
-    head = bh % num_heads
-    kv_head = head // group_size
+    bh, m_block, batch, head, kv_head = q_block_program(pid, num_m_blocks, num_heads, group_size, CAUSAL)
     start_m = m_block * BLOCK_M
     seqlen_k_b = batch_seqlen_k(seqlens_ptr, batch, seqlen_k, HAS_SEQLENS)
 
@@ -216,13 +213,25 @@ def attention_forward_kernel(
 
 
 def attention_forward(ctx: LaunchContext) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the forward on a prepared call -> ``o`` ``[B, H, Nq, D]`` (dtype of q), ``lse`` ``[B, H, Nq]`` float32."""
+    """Run the forward on a prepared call -> ``o`` ``[B, H, Nq, D]`` (dtype of q), ``lse`` ``[B, H, Nq]`` float32.
+
+    The autotuner chooses between this module's kernel and, on Hopper, the Gluon kernel of ``forward_gluon.py``
+    (``gluon`` configs): the same contract, the softmax overlapped with the matrix products.
+    """
     q, k, v = ctx.q, ctx.k, ctx.v
     B, H, Nq, D = q.shape
     o = ctx.new_output((B, H, Nq, D), q.dtype)
     lse = ctx.new_output((B, H, Nq), torch.float32)
 
     def launch(cfg) -> None:
+        if cfg.gluon and ctx.hopper_forward:
+            try:
+                attention_forward_hopper(
+                    q, k, v, o, lse, ctx.scale, ctx.causal, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages
+                )
+                return
+            except CompilationError as error:  # another Triton's Gluon API: the Triton kernel's tiles serve
+                record_compile_failure(error)
         num_m_blocks = num_blocks(Nq, cfg.block_m)
         use_tma, k_desc, v_desc = ctx.kv_tile_descriptors(cfg)
         attention_forward_kernel[grid_1d(num_m_blocks * B * H)](

@@ -18,6 +18,7 @@ except ImportError:  # pragma: no cover - older Triton: every launch uses pointe
     TensorDescriptor = None
 
 from ..backend import new_output, triton_interpreter_active
+from .forward_gluon import HOPPER_DTYPES, HOPPER_HEAD_DIMS, gluon_available
 from .tuning import AUTOTUNER, CANDIDATES, INTERPRETER_CONFIG, KernelConfig, candidates, head_dim_tile, seqlen_bucket
 
 # The longest tile side of any launch config: in-tile offsets (row * row stride + col * col stride) are int32.
@@ -167,6 +168,35 @@ class LaunchContext:
             return True, *(tile_descriptor(x, cfg.block_n, self.block_d) for x in (self.k, self.v))
         return False, self.k, self.v
 
+    def hopper_forward_reasons(self) -> list[str]:
+        """Why this call is outside the Gluon Hopper forward's scope (``forward_gluon.py``); [] when it can run it."""
+        q = self.q
+        if not gluon_available():
+            return ["this Triton has no Gluon Hopper API (triton.experimental.gluon)"]
+        if triton_interpreter_active() or not q.is_cuda:
+            return ["Gluon kernels run on a CUDA GPU only (not in the interpreter)"]
+        reasons = []
+        if _compute_capability_major(q.device.index or 0) != 9:
+            reasons.append("wgmma needs an sm_90 (Hopper) GPU")
+        if q.dtype not in HOPPER_DTYPES:
+            reasons.append(f"dtype {q.dtype}: float16 and bfloat16 only")
+        if q.shape[-1] not in HOPPER_HEAD_DIMS:
+            reasons.append(f"head dim {q.shape[-1]}: {' and '.join(map(str, HOPPER_HEAD_DIMS))} only")
+        if self.has_seqlens:
+            reasons.append("seqlens_k: TMA zero-fills past Nk only, and keys past seqlens_k[b] may hold anything")
+        if not self.scale > 0:
+            reasons.append("scale <= 0: the kernel folds a positive scale into exp2's argument")
+        if self.debug:
+            reasons.append("debug mode: the Gluon kernel keeps no tile counts")
+        if not all(descriptor_loads_possible(x) for x in (q, self.k, self.v)):
+            reasons.append("q, k or v not addressable by TMA (last stride 1, 16-byte aligned base and strides)")
+        return reasons
+
+    @cached_property
+    def hopper_forward(self) -> bool:
+        """Whether a ``gluon`` forward config runs the Gluon Hopper kernel here (else its Triton twin)."""
+        return not self.hopper_forward_reasons()
+
     def mask_stage_needed(self, block_n: int) -> bool:
         """Whether some tile of ``block_n`` keys needs the visibility mask: a causal diagonal, ``seqlens_k``, or a
         last K/V tile cut by Nk.  When none does, the kernels leave their masked loop out at compile time: the
@@ -236,8 +266,12 @@ class LaunchContext:
                 return cfg
             del AUTOTUNER.best[key]  # another specialisation of this key (say, another head dim) needs more
         configs = candidates(kernel.split(":")[0], self.block_d, q.dtype, q.device)
-        if any(c.tma for c in configs) and not self.kv_descriptors:  # a TMA config would launch its pointer twin
+        # Configs that would launch as a twin of another candidate here are not timed twice: TMA ones without
+        # descriptors (their pointer twin), Gluon ones outside its scope (the Triton kernel with the same tiles).
+        if any(c.tma for c in configs) and not self.kv_descriptors:
             configs = [c for c in configs if not c.tma] or configs
+        if any(c.gluon for c in configs) and not self.hopper_forward:
+            configs = [c for c in configs if not c.gluon] or configs
         cfg = AUTOTUNER.choose(key, configs, launch, reset)
         # The shared-memory estimate is rough: if the chosen config does not fit after all, take the next.
         for fallback in [cfg] + [c for c in configs if c != cfg]:

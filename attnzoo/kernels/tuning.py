@@ -30,6 +30,8 @@ class KernelConfig:
 
     tma (forward and dQ kernel): load the K/V tiles of the unmasked stage through tensor descriptors (Hopper's
     TMA copy engine) where the inputs allow it (``launch.descriptor_loads_possible``), else through pointers.
+    gluon (forward): run the Gluon Hopper kernel (``forward_gluon.py``; NUM_STAGES = num_stages) where the call is in
+    its scope (``LaunchContext.hopper_forward_reasons``), else the Triton kernel with the same tiles.
     """
 
     block_m: int
@@ -37,9 +39,11 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     tma: bool = False
+    gluon: bool = False
 
     def __str__(self) -> str:
-        return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}" + (" tma" if self.tma else "")
+        flags = (" tma" if self.tma else "") + (" gluon" if self.gluon else "")
+        return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}{flags}"
 
 
 INTERPRETER_CONFIG = KernelConfig(16, 16, 1, 1)
@@ -59,6 +63,14 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         KernelConfig(128, 128, 8, 3, tma=True),
         KernelConfig(128, 64, 8, 3, tma=True),
         KernelConfig(128, 64, 8, 4, tma=True),
+        # The Gluon Hopper forward (softmax overlapped with the products). On the H100 its best tile ran 1.02-1.22x
+        # the best of the pinned Triton tiles (fp16/bf16, D = 64/128, N = 1k-16k, full and causal); 64 x 128 w4
+        # won at D = 64 but at 1k, 64 x 64 w4 (s2 or s3) and 128 x 128 w8 shared D = 128 (docs/NOTES-kernels.md).
+        # 64-row tiles leave room for two CTAs per SM, whose phases the scheduler interleaves.
+        KernelConfig(64, 128, 4, 2, gluon=True),
+        KernelConfig(64, 64, 4, 2, gluon=True),
+        KernelConfig(64, 64, 4, 3, gluon=True),
+        KernelConfig(128, 128, 8, 2, gluon=True),
     ],
     # K/V-stationary dK/dV: BLOCK_N keys resident, BLOCK_M query rows streamed.
     # Order: measured fastest first at fp16 D=128 N=2048 on the H100 (docs/NOTES-kernels.md).

@@ -1,0 +1,299 @@
+"""The forward for Hopper written in Gluon, with the softmax of one K/V tile overlapped with two matrix products.
+
+``forward.py``'s Triton kernel waits for each ``S = Q K^T`` before its softmax and for the softmax before
+``P V``: on the H100 the tensor cores idle during the exponentials (ncu: tensor pipe active 50% of the time at
+D=128, cuDNN 74%; docs/NOTES-kernels.md), and Triton 3.6 neither keeps such a product asynchronous nor compiles
+warp specialisation on Hopper.  Gluon (``triton.experimental.gluon``) exposes the asynchronous ``wgmma`` and its
+wait directly, so this kernel orders the loop as FlashAttention-3 does (Shah et al., 2024, "intra-warpgroup
+overlapping", their Algorithm 2).  Iteration ``j`` of one program:
+
+    issue  S_j = Q K_j^T                      (asynchronous)
+    scale  O *= alpha_{j-1}; issue O += P_{j-1} V_{j-1}  (asynchronous, behind S_j)
+    wait until only the newest product is in flight -> S_j is done
+    softmax of S_j -> P_j, alpha_j            (while the tensor cores run P_{j-1} V_{j-1})
+    wait for P_{j-1} V_{j-1}
+
+K/V tiles arrive by TMA into a ring of NUM_STAGES shared-memory slots, each with an mbarrier that completes when
+its bytes have landed.  A slot is refilled once every warpgroup is past the products that read it (a CTA-wide
+barrier at the top of each iteration), NUM_STAGES - 1 iterations before its tile is needed.
+
+Scope (``LaunchContext.hopper_forward_reasons`` says why a call runs ``forward.py``'s kernel instead): an sm_90
+GPU, float16/bfloat16, head dims 64 and 128, no ``seqlens_k`` (TMA zero-fills past Nk but would read the keys past
+``seqlens_k[b]``, which may hold anything), a positive scale, and q/k/v that a TMA descriptor can address.
+Causal masks, any Nq and Nk, and grouped-query heads are handled.  Results are the same online softmax as
+``forward.py`` (not bitwise: the products are summed in another order).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    # Gluon's API moves between releases: Triton 3.9 renamed the TMA copies (the old names raise there) and the
+    # CTA-wide barrier; 3.6, the device's, has only the old names.
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+except (ImportError, AttributeError):  # pragma: no cover - no usable Gluon Hopper API: forward.py serves every call
+    gluon = None
+
+from .common import LOG2E, kv_loop_bounds, q_block_program
+
+HOPPER_DTYPES = (torch.float16, torch.bfloat16)
+HOPPER_HEAD_DIMS = (64, 128)
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _mask_scores(s, rows, keys, diagonal_offset, seqlen_k, CAUSAL: gl.constexpr):
+        """Hide keys past Nk and, with CAUSAL, keys after the row's diagonal: ``-inf`` scores (``p = 0``)."""
+        visible = keys[None, :] < seqlen_k
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= rows[:, None] + diagonal_offset)
+        return gl.where(visible, s, float("-inf"))
+
+    @gluon.jit
+    def _softmax_step(s, m_i, l_i, qk_scale, DTYPE: gl.constexpr, p_layout: gl.constexpr):
+        """Online softmax of one raw score tile ``s`` ``[BLOCK_M, BLOCK_N]`` (``-inf`` = hidden) in base 2.
+
+        ``qk_scale = scale * log2(e) > 0``, so the max of the scaled scores is the max of the raw ones times it and
+        each score costs one FFMA and one exp2.  Returns ``P`` (in the input dtype, laid out as the left operand of
+        ``P V`` in registers), ``alpha = exp2(m_old - m_new)`` for rescaling O, and the new running max and sum.
+        """
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        # A row that has seen no visible key keeps m = -inf; shifting it by 0 keeps exp2(-inf - -inf) = NaN out.
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_shift)
+        p = gl.exp2(s * qk_scale - m_shift[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        p_op = gl.convert_layout(p.to(DTYPE), p_layout)
+        return p_op, alpha, m_new, l_i
+
+    @gluon.jit
+    def _load_kv(desc, bars, ring, tile, batch, kv_head, n_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """Start the TMA copy of K or V tile ``tile`` into its ring slot (nothing when ``tile >= n_tiles``)."""
+        slot = tile % NUM_STAGES
+        bar = bars.index(slot)
+        in_range = tile < n_tiles
+        mbarrier.expect(bar, desc.block_type.nbytes, pred=in_range)
+        tma_load(desc, [batch, kv_head, tile * BLOCK_N, 0], bar, ring.index(slot), pred=in_range)
+
+    @gluon.jit
+    def _wait_kv(bars, ring, tile, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """Wait for K or V tile ``tile`` to land; returns its slot as a ``[BLOCK_N, BLOCK_D]`` view."""
+        slot = tile % NUM_STAGES
+        mbarrier.wait(bars.index(slot), (tile // NUM_STAGES) & 1)
+        return ring.index(slot).reshape([BLOCK_N, BLOCK_D])
+
+    @gluon.jit(do_not_specialize=["num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks"])
+    def attention_forward_hopper_kernel(
+        q_desc,
+        k_desc,
+        v_desc,
+        o_desc,
+        lse_ptr,
+        num_heads,
+        group_size,
+        seqlen_q,
+        seqlen_k,
+        num_m_blocks,
+        qk_scale,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        BLOCK_D: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        NUM_STAGES: gl.constexpr,
+        IS_FP16: gl.constexpr,
+    ):
+        """o, lse of one Q block of one (batch, head); grid: 1-d, num_m_blocks * B * H programs (as ``forward.py``).
+
+        Descriptors are 4-d over ``[B, H, N, D]`` with ``[1, 1, rows, D]`` boxes: a box past N reads zeros and a store
+        past Nq is dropped, so the tails need no predicates.  One warpgroup (4 warps) per 64 rows of the block.
+        """
+        NUM_WARPS: gl.constexpr = gl.num_warps()
+        DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
+        # Accumulator layouts of the two products; each warpgroup owns 64 rows, a thread holds 2 of them.
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_D, 16]
+        )
+        # P goes from the S accumulator's registers straight into P V as its register operand (no shared memory).
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+        s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        pid = gl.program_id(0)
+        bh, m_block, batch, head, kv_head = q_block_program(pid, num_m_blocks, num_heads, group_size, CAUSAL)
+        start_m = m_block * BLOCK_M
+
+        # Key ranges as forward.py's kv_loop_bounds: [0, unmasked_end) needs no mask; tiles from n_tiles on are
+        # hidden from every real row.  At least one tile runs (fully masked when no row sees a key), so that the
+        # loop needs no special case: it leaves m = -inf, l = 0 in such rows.
+        diagonal_offset = seqlen_k - seqlen_q
+        unmasked_end, end = kv_loop_bounds(start_m, seqlen_q, seqlen_k, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+        unmasked_tiles = unmasked_end // BLOCK_N
+        n_tiles = gl.maximum(gl.cdiv(end, BLOCK_N), 1)
+
+        q_smem = gl.allocate_shared_memory(DTYPE, q_desc.block_type.shape, q_desc.layout)
+        k_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
+        v_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+        fence_async_shared()
+
+        # Prologue loads: Q, K tiles 0 .. NUM_STAGES-1, V tiles 0 .. NUM_STAGES-2 (V slot NUM_STAGES-1 is filled
+        # at the top of iteration 1, when the refill schedule below takes over).
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma_load(q_desc, [batch, head, start_m, 0], q_bar, q_smem)
+        for i in gl.static_range(NUM_STAGES):
+            _load_kv(k_desc, k_bars, k_ring, i, batch, kv_head, n_tiles, BLOCK_N, NUM_STAGES)
+        for i in gl.static_range(NUM_STAGES - 1):
+            _load_kv(v_desc, v_bars, v_ring, i, batch, kv_head, n_tiles, BLOCK_N, NUM_STAGES)
+        mbarrier.wait(q_bar, 0)
+        q_tile = q_smem.reshape([BLOCK_M, BLOCK_D])
+
+        rows = start_m + gl.arange(0, BLOCK_M, s_rows)
+        local_keys = gl.arange(0, BLOCK_N, s_cols)
+
+        # Tile 0: nothing to overlap with yet.
+        k_tile = _wait_kv(k_bars, k_ring, 0, BLOCK_N, BLOCK_D, NUM_STAGES)
+        s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        if unmasked_tiles == 0:
+            s = _mask_scores(s, rows, local_keys, diagonal_offset, seqlen_k, CAUSAL)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, s_rows)
+        l_i = gl.zeros([BLOCK_M], gl.float32, s_rows)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, DTYPE, p_layout)
+        acc = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, o_layout)
+
+        for j in range(1, n_tiles):
+            # Every warpgroup is past iteration j-1, so K slot j-1 (S_{j-1} waited) and V slot j-2 (P V waited)
+            # are free: refill them with the tiles NUM_STAGES - 1 iterations ahead.
+            cta_barrier()
+            _load_kv(k_desc, k_bars, k_ring, j + NUM_STAGES - 1, batch, kv_head, n_tiles, BLOCK_N, NUM_STAGES)
+            _load_kv(v_desc, v_bars, v_ring, j + NUM_STAGES - 2, batch, kv_head, n_tiles, BLOCK_N, NUM_STAGES)
+
+            k_tile = _wait_kv(k_bars, k_ring, j, BLOCK_N, BLOCK_D, NUM_STAGES)
+            # The last S tile's registers serve as the (ignored) accumulator input: no zero tile per iteration.
+            s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s, use_acc=False, is_async=True)
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            v_tile = _wait_kv(v_bars, v_ring, j - 1, BLOCK_N, BLOCK_D, NUM_STAGES)
+            acc = warpgroup_mma(p, v_tile, acc, is_async=True)
+            # wgmma groups complete in order: one outstanding means S_j is done and P_{j-1} V_{j-1} may still run.
+            s = warpgroup_mma_wait(1, deps=(s,))
+            if j >= unmasked_tiles:
+                s = _mask_scores(s, rows, j * BLOCK_N + local_keys, diagonal_offset, seqlen_k, CAUSAL)
+            p_next, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, DTYPE, p_layout)
+            # P_{j-1} stays alive (the product reads it from registers) until this wait.
+            acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+            p = p_next
+
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        v_tile = _wait_kv(v_bars, v_ring, n_tiles - 1, BLOCK_N, BLOCK_D, NUM_STAGES)
+        acc = warpgroup_mma(p, v_tile, acc, is_async=True)
+        acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(k_bars.index(i))
+            mbarrier.invalidate(v_bars.index(i))
+
+        # Rows with no visible key: l = 0, acc = 0, m = -inf -> o = 0, lse = -inf (no NaN).
+        empty = l_i == 0.0
+        l_safe = gl.where(empty, 1.0, l_i)
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+        o_tile = acc * gl.convert_layout(1.0 / l_safe, o_rows)[:, None]
+        # O leaves through Q's shared memory and one TMA store (rows past Nq are dropped by the copy engine).
+        cta_barrier()  # every warpgroup's last S product has read Q
+        q_smem.reshape([BLOCK_M, BLOCK_D]).store(o_tile.to(DTYPE))
+        fence_async_shared()
+        cta_barrier()
+        tma_store(o_desc, [batch, head, start_m, 0], q_smem)
+        gl.store(lse_ptr + bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
+        tma.store_wait(0)
+
+
+_compile_failure: list[str] = []  # the first compilation error of the kernel in this process, if any
+
+
+def gluon_available() -> bool:
+    """Whether this Triton has Gluon's Hopper API (``triton.experimental.gluon``) and the kernel has not failed to
+    compile with it in this process (the API is experimental: it is run on Triton 3.6 and compiled on 3.9)."""
+    return gluon is not None and not _compile_failure
+
+
+def record_compile_failure(error: Exception) -> None:
+    """Turn the Gluon forward off for this process after a compilation error, with one warning saying why."""
+    if not _compile_failure:
+        _compile_failure.append(f"{type(error).__name__}: {str(error)[:500]}")
+        warnings.warn(
+            f"attnzoo: the Gluon Hopper forward does not compile with this Triton; using the Triton forward "
+            f"({_compile_failure[0]})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+@functools.cache
+def _tile_layout(rows: int, head_dim: int, dtype: torch.dtype):
+    """The shared-memory layout of a ``[1, 1, rows, head_dim]`` TMA box (128-byte swizzle for these tiles)."""
+    gl_dtype = gl.float16 if dtype == torch.float16 else gl.bfloat16
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gl_dtype)
+
+
+def attention_forward_hopper(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    causal: bool,
+    block_m: int = 128,
+    block_n: int = 128,
+    num_warps: int = 8,
+    num_stages: int = 2,
+) -> None:
+    """Write ``o`` ``[B, H, Nq, D]`` (contiguous, dtype of q) and ``lse`` ``[B, H, Nq]`` float32 of one call.
+
+    ``q`` ``[B, H, Nq, D]``, ``k``/``v`` ``[B, Hkv, Nk, D]``, in the scope that
+    ``LaunchContext.hopper_forward_reasons`` checks.
+    """
+    B, H, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+
+    def descriptor(x: torch.Tensor, rows: int) -> GluonTensorDescriptor:
+        box = [1, 1, rows, D]
+        return GluonTensorDescriptor(x, list(x.shape), list(x.stride()), box, _tile_layout(rows, D, x.dtype))
+
+    num_m_blocks = -(-Nq // block_m)
+    attention_forward_hopper_kernel[(num_m_blocks * B * H,)](
+        descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(o, block_m), lse,
+        H, H // Hkv, Nq, Nk, num_m_blocks, scale * LOG2E,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=D, CAUSAL=causal, NUM_STAGES=num_stages,
+        IS_FP16=q.dtype == torch.float16, num_warps=num_warps,
+    )  # fmt: skip
