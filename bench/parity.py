@@ -19,6 +19,7 @@ import torch
 
 from attnzoo.bench import impls as impl_registry
 from attnzoo.bench import timing
+from attnzoo.kernels.tuning import AUTOTUNER
 
 IMPLS = ["triton_2kernel", "flex_attention", "sdpa_flash"]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -32,7 +33,9 @@ def main() -> None:
     p.add_argument("--causal", default="no,yes")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default=None, help="CSV of every ratio")
+    p.add_argument("--impls", default=",".join(IMPLS), help="triton_2kernel first, then the references")
     args = p.parse_args()
+    impls = args.impls.split(",")
     device = torch.device("cuda")
     rows = []
     for dt in args.dtype.split(","):
@@ -45,14 +48,14 @@ def main() -> None:
                 )
                 inputs = impl_registry.Inputs(q, k, v, do, causal, None)
                 prepared = {}
-                for name in IMPLS:
+                for name in impls:
                     impl = impl_registry.get_impl(name).prepare(inputs, True)
                     impl.step()  # compilation and autotuning, never timed
                     prepared[name] = (impl.forward, impl.make_backward())
                 flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
-                tflops = {(name, part): [] for name in IMPLS for part in ("fwd", "bwd")}
+                tflops = {(name, part): [] for name in impls for part in ("fwd", "bwd")}
                 for r in range(args.rounds):
-                    for name in IMPLS if r % 2 == 0 else IMPLS[::-1]:
+                    for name in impls if r % 2 == 0 else impls[::-1]:
                         forward, backward = prepared[name]
                         fwd_ms = timing.median_ms(forward, device, 3, 10, 100.0)
                         bwd_ms = timing.median_ms(backward, device, 3, 10, 100.0)
@@ -60,8 +63,8 @@ def main() -> None:
                         tflops[(name, "bwd")].append(2.5 * flops / bwd_ms / 1e9)
                 line = f"{dt} D={d} causal={causal} N={n}:"
                 for part in ("fwd", "bwd"):
-                    ours = tflops[("triton_2kernel", part)]
-                    for ref in IMPLS[1:]:
+                    ours = tflops[(impls[0], part)]
+                    for ref in impls[1:]:
                         per_round = [a / b_ for a, b_ in zip(ours, tflops[(ref, part)], strict=True)]
                         ratio = statistics.median(ours) / statistics.median(tflops[(ref, part)])
                         rows.append([dt, d, causal, n, part, ref, f"{statistics.median(ours):.1f}",
@@ -71,6 +74,8 @@ def main() -> None:
                 print(line, flush=True)
                 del prepared, inputs, q, k, v, do
                 torch.cuda.empty_cache()
+    for key in AUTOTUNER.timings:  # what the autotuner picked for each kernel and shape, with its timings
+        print("[tuned]", AUTOTUNER.describe(key), flush=True)
     if args.out:
         with open(args.out, "w", newline="") as fh:
             header = ["dtype", "D", "causal", "N", "part", "ref", "triton_2kernel", "ref_tflops", "ratio_of_medians",
