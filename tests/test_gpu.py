@@ -248,6 +248,11 @@ def test_gluon_hopper_forward_scope():
         # rows 132 * 2 bytes apart: not a multiple of 16 bytes
         "TMA": LaunchContext(q, torch.randn(2, 2, 256, 132, device=CUDA, dtype=q.dtype)[..., :128], v, 0.1, True, None),
     }
+    # No key at all (Nk = 0) is legal and needs no descriptor: every row is empty, through the Triton kernel.
+    empty = LaunchContext(q, k[:, :, :0], v[:, :, :0], 0.1, True, None)
+    assert not empty.hopper_forward and not empty.kv_descriptors
+    o, lse = attnzoo.get("triton_2kernel").forward(q, k[:, :, :0], v[:, :, :0], causal=True)
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
     for what, ctx in outside.items():
         reasons = ctx.hopper_forward_reasons()
         assert not ctx.hopper_forward and any(what in r for r in reasons), (what, reasons)

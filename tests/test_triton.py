@@ -165,6 +165,7 @@ def test_descriptor_loads_need_aligned_rows_and_a_unit_last_stride():
     assert not descriptor_loads_possible(torch.randn(1, 2, 8, 33)[..., 1:17])  # base 4 bytes past alignment
     assert not descriptor_loads_possible(torch.randn(1, 2, 16, 8).transpose(-1, -2))  # last stride 8
     assert not descriptor_loads_possible(torch.randn(1, 1, 8, 16).expand(1, 4, 8, 16))  # head stride 0
+    assert not descriptor_loads_possible(torch.randn(1, 2, 0, 16))  # Nk = 0: a descriptor needs positive sizes
     q, k, v, _, _ = _inputs(1, 2, 2, 8, 8, 16, None)
     k = x[..., :16]
     problem = attnzoo.get("triton_2kernel")._validate(q, k, v, False, None, None)

@@ -230,7 +230,7 @@ def attention_forward(ctx: LaunchContext) -> tuple[torch.Tensor, torch.Tensor]:
                     q, k, v, o, lse, ctx.scale, ctx.causal, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages
                 )
                 return
-            except CompilationError as error:  # another Triton's Gluon API: the Triton kernel's tiles serve
+            except CompilationError as error:  # Gluon's API drifted (frontend error): the Triton kernel's tiles serve
                 record_compile_failure(error)
         num_m_blocks = num_blocks(Nq, cfg.block_m)
         use_tma, k_desc, v_desc = ctx.kv_tile_descriptors(cfg)

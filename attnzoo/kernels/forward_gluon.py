@@ -1,4 +1,5 @@
-"""The forward for Hopper written in Gluon, with the softmax of one K/V tile overlapped with two matrix products.
+"""The forward for Hopper written in Gluon: the softmax of one K/V tile runs while the tensor cores do the previous
+tile's ``P V``.
 
 ``forward.py``'s Triton kernel waits for each ``S = Q K^T`` before its softmax and for the softmax before
 ``P V``: on the H100 the tensor cores idle during the exponentials (ncu: tensor pipe active 50% of the time at
@@ -18,8 +19,9 @@ its bytes have landed.  A slot is refilled once every warpgroup is past the prod
 barrier at the top of each iteration), NUM_STAGES - 1 iterations before its tile is needed.
 
 Scope (``LaunchContext.hopper_forward_reasons`` says why a call runs ``forward.py``'s kernel instead): an sm_90
-GPU, float16/bfloat16, head dims 64 and 128, no ``seqlens_k`` (TMA zero-fills past Nk but would read the keys past
-``seqlens_k[b]``, which may hold anything), a positive scale, and q/k/v that a TMA descriptor can address.
+GPU, float16/bfloat16, head dims 64 and 128, no ``seqlens_k`` (TMA zero-fills past Nk only: V rows past
+``seqlens_k[b]`` may hold NaN, and ``0 * NaN`` would reach ``P V``), a positive scale, and q/k/v that a TMA descriptor
+can address.
 Causal masks, any Nq and Nk, and grouped-query heads are handled.  Results are the same online softmax as
 ``forward.py`` (not bitwise: the products are summed in another order).
 """
@@ -123,9 +125,11 @@ if gluon is not None:
         """o, lse of one Q block of one (batch, head); grid: 1-d, num_m_blocks * B * H programs (as ``forward.py``).
 
         Descriptors are 4-d over ``[B, H, N, D]`` with ``[1, 1, rows, D]`` boxes: a box past N reads zeros and a store
-        past Nq is dropped, so the tails need no predicates.  One warpgroup (4 warps) per 64 rows of the block.
+        past Nq is dropped, so the tails need no predicates.  One warpgroup (4 warps of 16 rows) per 64 rows of the
+        block: BLOCK_M = 16 * num_warps.
         """
         NUM_WARPS: gl.constexpr = gl.num_warps()
+        gl.static_assert(BLOCK_M == 16 * NUM_WARPS, "one warpgroup per 64 rows: BLOCK_M must be 16 * num_warps")
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
         # Accumulator layouts of the two products; each warpgroup owns 64 rows, a thread holds 2 of them.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -240,10 +244,19 @@ if gluon is not None:
 _compile_failure: list[str] = []  # the first compilation error of the kernel in this process, if any
 
 
+def gluon_unavailable_reason() -> str | None:
+    """Why the Gluon forward cannot run with this Triton (None when it can): no Gluon Hopper API, or the kernel
+    failed to compile with it earlier in this process (the API is experimental: run on 3.6, compiled on 3.9)."""
+    if gluon is None:
+        return "this Triton has no usable Gluon Hopper API (triton.experimental.gluon)"
+    if _compile_failure:
+        return f"the Gluon forward did not compile with this Triton: {_compile_failure[0]}"
+    return None
+
+
 def gluon_available() -> bool:
-    """Whether this Triton has Gluon's Hopper API (``triton.experimental.gluon``) and the kernel has not failed to
-    compile with it in this process (the API is experimental: it is run on Triton 3.6 and compiled on 3.9)."""
-    return gluon is not None and not _compile_failure
+    """Whether the Gluon forward can run with this Triton (``gluon_unavailable_reason`` says why not)."""
+    return gluon_unavailable_reason() is None
 
 
 def record_compile_failure(error: Exception) -> None:
@@ -285,6 +298,8 @@ def attention_forward_hopper(
     """
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
+    if block_m != 16 * num_warps:
+        raise ValueError(f"block_m={block_m} with num_warps={num_warps}: the kernel needs block_m = 16 * num_warps")
 
     def descriptor(x: torch.Tensor, rows: int) -> GluonTensorDescriptor:
         box = [1, 1, rows, D]

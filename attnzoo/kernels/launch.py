@@ -18,7 +18,7 @@ except ImportError:  # pragma: no cover - older Triton: every launch uses pointe
     TensorDescriptor = None
 
 from ..backend import new_output, triton_interpreter_active
-from .forward_gluon import HOPPER_DTYPES, HOPPER_HEAD_DIMS, gluon_available
+from .forward_gluon import HOPPER_DTYPES, HOPPER_HEAD_DIMS, gluon_unavailable_reason
 from .tuning import AUTOTUNER, CANDIDATES, INTERPRETER_CONFIG, KernelConfig, candidates, head_dim_tile, seqlen_bucket
 
 # The longest tile side of any launch config: in-tile offsets (row * row stride + col * col stride) are int32.
@@ -59,12 +59,14 @@ def _compute_capability_major(index: int) -> int:
 def descriptor_loads_possible(x: torch.Tensor) -> bool:
     """Whether tiles of ``x`` ``[B, H, N, D]`` can be loaded through a TMA tensor descriptor.
 
-    The copy engine needs a Hopper-or-newer GPU (or the interpreter, which emulates it), a contiguous last
-    dimension, and a 16-byte aligned base address and outer strides (positive: broadcast views keep pointers).
+    The copy engine needs a Hopper-or-newer NVIDIA GPU (or the interpreter, which emulates it), a non-empty tensor, a
+    contiguous last dimension, and a 16-byte aligned base address and outer strides (positive: broadcast views keep
+    pointers).
     """
-    if TensorDescriptor is None:
+    if TensorDescriptor is None or x.numel() == 0:  # a descriptor needs every dimension positive (Nk = 0 is legal)
         return False
-    if not triton_interpreter_active() and not (x.is_cuda and _compute_capability_major(x.device.index or 0) >= 9):
+    on_hopper = x.is_cuda and torch.version.hip is None and _compute_capability_major(x.device.index or 0) >= 9
+    if not triton_interpreter_active() and not on_hopper:
         return False
     itemsize = x.element_size()
     outer_strides_ok = all(stride > 0 and stride * itemsize % 16 == 0 for stride in x.stride()[:-1])
@@ -171,10 +173,11 @@ class LaunchContext:
     def hopper_forward_reasons(self) -> list[str]:
         """Why this call is outside the Gluon Hopper forward's scope (``forward_gluon.py``); [] when it can run it."""
         q = self.q
-        if not gluon_available():
-            return ["this Triton has no Gluon Hopper API (triton.experimental.gluon)"]
-        if triton_interpreter_active() or not q.is_cuda:
-            return ["Gluon kernels run on a CUDA GPU only (not in the interpreter)"]
+        unavailable = gluon_unavailable_reason()
+        if unavailable:
+            return [unavailable]
+        if triton_interpreter_active() or not q.is_cuda or torch.version.hip is not None:
+            return ["Gluon's Hopper kernels run on an NVIDIA GPU only (not in the interpreter, not on ROCm)"]
         reasons = []
         if _compute_capability_major(q.device.index or 0) != 9:
             reasons.append("wgmma needs an sm_90 (Hopper) GPU")
@@ -183,13 +186,15 @@ class LaunchContext:
         if q.shape[-1] not in HOPPER_HEAD_DIMS:
             reasons.append(f"head dim {q.shape[-1]}: {' and '.join(map(str, HOPPER_HEAD_DIMS))} only")
         if self.has_seqlens:
-            reasons.append("seqlens_k: TMA zero-fills past Nk only, and keys past seqlens_k[b] may hold anything")
+            # TMA zero-fills past Nk only: V rows past seqlens_k[b] would arrive as they are, and a NaN there
+            # makes P V NaN even where P = 0.
+            reasons.append("seqlens_k: the V rows past seqlens_k[b] may hold anything, and TMA cannot zero them")
         if not self.scale > 0:
             reasons.append("scale <= 0: the kernel folds a positive scale into exp2's argument")
         if self.debug:
             reasons.append("debug mode: the Gluon kernel keeps no tile counts")
         if not all(descriptor_loads_possible(x) for x in (q, self.k, self.v)):
-            reasons.append("q, k or v not addressable by TMA (last stride 1, 16-byte aligned base and strides)")
+            reasons.append("q, k or v not addressable by TMA (empty, or not: last stride 1, 16-byte aligned strides)")
         return reasons
 
     @cached_property

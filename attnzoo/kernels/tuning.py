@@ -63,10 +63,10 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         KernelConfig(128, 128, 8, 3, tma=True),
         KernelConfig(128, 64, 8, 3, tma=True),
         KernelConfig(128, 64, 8, 4, tma=True),
-        # The Gluon Hopper forward (softmax overlapped with the products). On the H100 its best tile ran 1.02-1.22x
-        # the best of the pinned Triton tiles (fp16/bf16, D = 64/128, N = 1k-16k, full and causal); 64 x 128 w4
-        # won at D = 64 but at 1k, 64 x 64 w4 (s2 or s3) and 128 x 128 w8 shared D = 128 (docs/NOTES-kernels.md).
-        # 64-row tiles leave room for two CTAs per SM, whose phases the scheduler interleaves.
+        # The Gluon Hopper forward (softmax overlapped with P V). On the H100 its best tile ran 1.02-1.22x the best of
+        # the pinned Triton tiles (fp16/bf16, D = 64/128, N = 1k-16k, full and causal). Winners: at D = 64, 64 x 128
+        # w4 (64 x 64 w4 at causal 1k); at D = 128, 64 x 64 w4 s2 at N <= 2k, 128 x 128 w8 or 64 x 64 w4 s2/s3 at
+        # 8k-16k (docs/NOTES-kernels.md). 64-row tiles leave room for two CTAs per SM, whose phases interleave.
         KernelConfig(64, 128, 4, 2, gluon=True),
         KernelConfig(64, 64, 4, 2, gluon=True),
         KernelConfig(64, 64, 4, 3, gluon=True),
