@@ -29,12 +29,10 @@ TRITON = "128,128,8,3,tma;128,64,8,3,tma;64,64,4,3"
 
 
 def _configs(text: str) -> list[KernelConfig]:
-    """``BM,BN,warps,stages[,tma];...`` -> configs."""
-    configs = []
-    for item in filter(None, text.split(";")):
-        fields = item.split(",")
-        configs.append(KernelConfig(*map(int, fields[:4]), tma="tma" in fields[4:]))
-    return configs
+    """``BM,BN,warps,stages[,tma];...`` -> configs (each parsed as ``bench/ptx_report.py`` parses one)."""
+    from ptx_report import parse_config  # beside this script
+
+    return [parse_config(item) for item in text.split(";") if item]
 
 
 def _sdpa(q, k, v, causal: bool, backend) -> torch.Tensor:

@@ -30,7 +30,7 @@ from triton.compiler import ASTSource
 from attnzoo.kernels.backward_2kernel import dkdv_kernel, dq_kernel
 from attnzoo.kernels.backward_atomic import atomic_backward_kernel
 from attnzoo.kernels.forward import attention_forward_kernel
-from attnzoo.kernels.forward_gluon import gluon_available
+from attnzoo.kernels.forward_gluon import gluon_unavailable_reason
 from attnzoo.kernels.launch import folds_scale
 from attnzoo.kernels.tuning import CANDIDATES, KernelConfig, head_dim_tile
 
@@ -111,8 +111,8 @@ def gluon_source(dtype: str, d: int, cfg: KernelConfig, causal: bool):
 def report(kernel_name: str, dtype: str, d: int, cfg: KernelConfig, causal: bool, q_tail: bool) -> dict:
     """Registers, spill bytes, global store / reduction widths and the wgmma waits of one compiled config."""
     if cfg.gluon:
-        if not gluon_available():
-            raise SystemExit("this Triton has no Gluon Hopper API")
+        if gluon_unavailable_reason():
+            raise SystemExit(gluon_unavailable_reason())
         src = gluon_source(dtype, d, cfg, causal)
     else:
         src = source(KERNELS[kernel_name], dtype, d, cfg, causal, q_tail)

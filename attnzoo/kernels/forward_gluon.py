@@ -148,7 +148,7 @@ if gluon is not None:
         bh, m_block, batch, head, kv_head = q_block_program(pid, num_m_blocks, num_heads, group_size, CAUSAL)
         start_m = m_block * BLOCK_M
 
-        # Key ranges as forward.py's kv_loop_bounds: [0, unmasked_end) needs no mask; tiles from n_tiles on are
+        # Key ranges (kv_loop_bounds, as in forward.py): [0, unmasked_end) needs no mask; tiles from n_tiles on are
         # hidden from every real row.  At least one tile runs (fully masked when no row sees a key), so that the
         # loop needs no special case: it leaves m = -inf, l = 0 in such rows.
         diagonal_offset = seqlen_k - seqlen_q
@@ -252,11 +252,6 @@ def gluon_unavailable_reason() -> str | None:
     if _compile_failure:
         return f"the Gluon forward did not compile with this Triton: {_compile_failure[0]}"
     return None
-
-
-def gluon_available() -> bool:
-    """Whether the Gluon forward can run with this Triton (``gluon_unavailable_reason`` says why not)."""
-    return gluon_unavailable_reason() is None
 
 
 def record_compile_failure(error: Exception) -> None:

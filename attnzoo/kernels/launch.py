@@ -193,7 +193,7 @@ class LaunchContext:
             reasons.append("scale <= 0: the kernel folds a positive scale into exp2's argument")
         if self.debug:
             reasons.append("debug mode: the Gluon kernel keeps no tile counts")
-        if not all(descriptor_loads_possible(x) for x in (q, self.k, self.v)):
+        if not (descriptor_loads_possible(q) and self.kv_descriptors):
             reasons.append("q, k or v not addressable by TMA (empty, or not: last stride 1, 16-byte aligned strides)")
         return reasons
 
