@@ -30,7 +30,7 @@ from triton.compiler import ASTSource
 from attnzoo.kernels.backward_2kernel import dkdv_kernel, dq_kernel
 from attnzoo.kernels.backward_atomic import atomic_backward_kernel
 from attnzoo.kernels.forward import attention_forward_kernel
-from attnzoo.kernels.forward_gluon import gluon_unavailable_reason
+from attnzoo.kernels.gluon_hopper import gluon_unavailable_reason
 from attnzoo.kernels.launch import folds_scale
 from attnzoo.kernels.tuning import CANDIDATES, KernelConfig, head_dim_tile
 
@@ -80,13 +80,17 @@ def source(kernel, dtype: str, d: int, cfg: KernelConfig, causal: bool, q_tail: 
     return ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
-def gluon_source(dtype: str, d: int, cfg: KernelConfig, causal: bool):
-    """The Gluon Hopper forward (a ``gluon`` forward config) as ``forward_gluon.attention_forward_hopper`` launches
-    it: descriptors of ``[1, 1, rows, d]`` boxes of q/o (BLOCK_M rows) and k/v (BLOCK_N rows)."""
+def gluon_source(kernel_name: str, dtype: str, d: int, cfg: KernelConfig, causal: bool):
+    """A Gluon Hopper kernel (a ``gluon`` config of the forward or the dK/dV kernel) as its launcher
+    (``forward_gluon.attention_forward_hopper``, ``backward_gluon.attention_dkdv_hopper``) specialises it:
+    descriptors of ``[1, 1, rows, d]`` boxes, BLOCK_M rows for q/o/dO and BLOCK_N rows for k/v/dK/dV."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from attnzoo.kernels.forward_gluon import attention_forward_hopper_kernel as kernel
+    from attnzoo.kernels.backward_gluon import attention_dkdv_hopper_kernel
+    from attnzoo.kernels.forward_gluon import attention_forward_hopper_kernel
+
+    kernel = {"forward": attention_forward_hopper_kernel, "dkdv": attention_dkdv_hopper_kernel}[kernel_name]
 
     def descriptor(rows: int) -> str:
         box = [1, 1, rows, d]
@@ -100,8 +104,8 @@ def gluon_source(dtype: str, d: int, cfg: KernelConfig, causal: bool):
         if name in flags:
             signature[name], constexprs[(i,)] = "constexpr", flags[name]
         elif name.endswith("_desc"):
-            signature[name] = descriptor(cfg.block_m if name in ("q_desc", "o_desc") else cfg.block_n)
-        elif name == "lse_ptr":
+            signature[name] = descriptor(cfg.block_m if name in ("q_desc", "o_desc", "do_desc") else cfg.block_n)
+        elif name.endswith("_ptr"):
             signature[name] = "*fp32"
         else:
             signature[name] = "fp32" if name in SCALARS else "i32"
@@ -113,7 +117,7 @@ def report(kernel_name: str, dtype: str, d: int, cfg: KernelConfig, causal: bool
     if cfg.gluon:
         if gluon_unavailable_reason():
             raise SystemExit(gluon_unavailable_reason())
-        src = gluon_source(dtype, d, cfg, causal)
+        src = gluon_source(kernel_name, dtype, d, cfg, causal)
     else:
         src = source(KERNELS[kernel_name], dtype, d, cfg, causal, q_tail)
     compiled = triton.compile(src, target=TARGET, options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))

@@ -201,26 +201,36 @@ HOPPER_CASES = [
     (torch.float16, 1, 1, 1, 1, 300, 128, True, "bhnd"),
     (torch.bfloat16, 2, 4, 4, 640, 640, 128, True, "bnhd"),
     (torch.float16, 4, 2, 1, 2048, 2048, 64, False, "bnhd"),
+    (torch.bfloat16, 1, 8, 2, 777, 777, 128, True, "bhnd"),
 ]
+
+
+def _hopper_case_inputs(dtype, B, H, Hkv, Nq, Nk, D, layout):
+    """q, k, v, do of one HOPPER_CASES entry, fresh random; ``bnhd``: [B, N, H, D] memory seen as [B, H, N, D]."""
+    g = torch.Generator(device=CUDA).manual_seed(Nq * 7 + Nk)
+
+    def make(heads, n):
+        if layout == "bnhd":
+            return torch.randn(B, n, heads, D, device=CUDA, dtype=dtype, generator=g).transpose(1, 2)
+        return torch.randn(B, heads, n, D, device=CUDA, dtype=dtype, generator=g)
+
+    return make(H, Nq), make(Hkv, Nk), make(Hkv, Nk), make(H, Nq)
+
+
+def _needs_hopper() -> None:
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels need an sm_90 GPU")
 
 
 @pytest.mark.parametrize("cfg", [c for c in CANDIDATES["forward"] if c.gluon], ids=str)
 def test_gluon_hopper_forward_against_oracle(cfg):
     """Each ``gluon`` forward candidate runs the Gluon kernel on these inputs (not its Triton twin) and keeps the
     contract: o within SPEC.md's bound of the float64 oracle, lse exact to float32 rounding, -inf on empty rows."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon forward needs an sm_90 GPU")
+    _needs_hopper()
     for dtype, B, H, Hkv, Nq, Nk, D, causal, layout in HOPPER_CASES:
-        g = torch.Generator(device=CUDA).manual_seed(Nq * 7 + Nk)
-
-        def make(heads, n, layout=layout, D=D, dtype=dtype, B=B, g=g):
-            if layout == "bnhd":
-                return torch.randn(B, n, heads, D, device=CUDA, dtype=dtype, generator=g).transpose(1, 2)
-            return torch.randn(B, heads, n, D, device=CUDA, dtype=dtype, generator=g)
-
-        q, k, v = make(H, Nq), make(Hkv, Nk), make(Hkv, Nk)
+        q, k, v, _ = _hopper_case_inputs(dtype, B, H, Hkv, Nq, Nk, D, layout)
         ctx = LaunchContext(q, k, v, D**-0.5, causal, None, forced_config={"forward": cfg})
-        assert ctx.hopper_forward, ctx.hopper_forward_reasons()
+        assert ctx.hopper_forward, ctx.hopper_reasons("forward")
         o, lse = attention_forward(ctx)
         ref = oracle.reference(q, k, v, causal=causal, device=CUDA)
         base = oracle.plain_torch(q, k, v, None, causal)
@@ -234,28 +244,67 @@ def test_gluon_hopper_forward_against_oracle(cfg):
         _report(f"[gluon] {cfg} {str(dtype)[6:]} N={Nq}x{Nk} D={D} causal={causal} {layout}: {' '.join(errors)}")
 
 
-def test_gluon_hopper_forward_scope():
-    """The Gluon forward is used where its contract holds and left for the Triton kernel elsewhere."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon forward needs an sm_90 GPU")
-    q, k, v, _, sl = _make(2, 4, 2, 256, 256, 128, torch.float16, [256, 100])
-    assert LaunchContext(q, k, v, 0.1, True, None).hopper_forward
+@pytest.mark.parametrize("cfg", [c for c in CANDIDATES["dkdv"] if c.gluon], ids=str)
+def test_gluon_hopper_dkdv_against_oracle(cfg):
+    """Each ``gluon`` dK/dV candidate runs the Gluon kernel on these inputs (not its Triton twin): dk and dv within
+    SPEC.md's bound of the float64 oracle, with tails on both sides, rows that see no key, one query row, grouped-query
+    heads summed, and strided memory.  The outputs are NaN-filled first (conftest), so an unwritten row fails."""
+    _needs_hopper()
+    for dtype, B, H, Hkv, Nq, Nk, D, causal, layout in HOPPER_CASES:
+        q, k, v, do = _hopper_case_inputs(dtype, B, H, Hkv, Nq, Nk, D, layout)
+        forced = {"forward": CANDIDATES["forward"][0], "dq": CANDIDATES["dq"][0], "dkdv": cfg}
+        ctx = LaunchContext(q, k, v, D**-0.5, causal, None, forced_config=forced)
+        assert not ctx.hopper_reasons("dkdv", do), ctx.hopper_reasons("dkdv", do)
+        o, lse = attention_forward(ctx)
+        dq, dk, dv = attention_backward_2kernel(ctx, do, o, lse)
+        ref = oracle.reference(q, k, v, do, causal=causal, device=CUDA)
+        base = oracle.plain_torch(q, k, v, do, causal)
+        contract = oracle.contract_errors(q, k, v, do, ref, causal=causal, stored_o=o)
+        errors = []
+        for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
+            check = oracle.check_output(
+                name, got, getattr(ref, name).cpu(), getattr(base, name), dtype, contract.get(name, 0.0)
+            )
+            assert check.ok, (
+                f"{cfg} {dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D={D} causal={causal}: {name}: {check.message}"
+            )
+            errors.append(f"{name} {check.error:.2e}/{check.bound:.2e}")
+        _report(f"[gluon dkdv] {cfg} {str(dtype)[6:]} N={Nq}x{Nk} D={D} causal={causal} {layout}: {' '.join(errors)}")
+
+
+def test_gluon_hopper_scope():
+    """The Gluon kernels are used where their contract holds and left for the Triton kernels elsewhere."""
+    _needs_hopper()
+    q, k, v, do, sl = _make(2, 4, 2, 256, 256, 128, torch.float16, [256, 100])
+    in_scope = LaunchContext(q, k, v, 0.1, True, None)
+    assert in_scope.hopper_forward and not in_scope.hopper_reasons("dkdv", do)
     outside = {
         "seqlens_k": LaunchContext(q, k, v, 0.1, True, sl),
         "dtype": LaunchContext(q.float(), k.float(), v.float(), 0.1, True, None),
         "head dim": LaunchContext(q[..., :96], k[..., :96], v[..., :96], 0.1, True, None),
-        "scale": LaunchContext(q, k, v, -0.1, True, None),
         # rows 132 * 2 bytes apart: not a multiple of 16 bytes
         "TMA": LaunchContext(q, torch.randn(2, 2, 256, 132, device=CUDA, dtype=q.dtype)[..., :128], v, 0.1, True, None),
     }
-    # No key at all (Nk = 0) is legal and needs no descriptor: every row is empty, through the Triton kernel.
-    empty = LaunchContext(q, k[:, :, :0], v[:, :, :0], 0.1, True, None)
-    assert not empty.hopper_forward and not empty.kv_descriptors
-    o, lse = attnzoo.get("triton_2kernel").forward(q, k[:, :, :0], v[:, :, :0], causal=True)
-    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
     for what, ctx in outside.items():
-        reasons = ctx.hopper_forward_reasons()
-        assert not ctx.hopper_forward and any(what in r for r in reasons), (what, reasons)
+        for kernel in ("forward", "dkdv"):
+            reasons = ctx.hopper_reasons(kernel, torch.randn_like(ctx.q))
+            assert reasons and any(what in r for r in reasons), (what, kernel, reasons)
+        assert not ctx.hopper_forward
+    # A negative scale is only the forward's concern (it folds the scale into exp2's argument).
+    negative = LaunchContext(q, k, v, -0.1, True, None)
+    assert any("scale" in r for r in negative.hopper_reasons("forward")) and not negative.hopper_forward
+    assert not negative.hopper_reasons("dkdv", do)
+    # dO that TMA cannot address keeps the Triton dK/dV kernel.
+    strided_do = torch.randn(2, 4, 256, 132, device=CUDA, dtype=q.dtype)[..., :128]
+    assert any("do " in r for r in in_scope.hopper_reasons("dkdv", strided_do))
+    # No key at all (Nk = 0) is legal and needs no descriptor: every row is empty, through the Triton kernels.
+    empty = LaunchContext(q, k[:, :, :0], v[:, :, :0], 0.1, True, None)
+    assert not empty.hopper_forward and not empty.kv_descriptors and empty.hopper_reasons("dkdv", do)
+    be = attnzoo.get("triton_2kernel")
+    o, lse = be.forward(q, k[:, :, :0], v[:, :, :0], causal=True)
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
+    dq, dk, dv = be.backward(do, q, k[:, :, :0], v[:, :, :0], o, lse, causal=True)
+    assert torch.equal(dq, torch.zeros_like(dq)) and dk.numel() == 0 and dv.numel() == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

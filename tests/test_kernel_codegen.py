@@ -46,20 +46,26 @@ def test_outputs_leave_every_kernel_in_16_byte_stores():
             assert {w.split("x", 1)[1] for w in stores.group(2).split()} == {".v4.f32"}, line
 
 
-def test_the_gluon_forward_keeps_a_product_in_flight_during_the_softmax():
-    """The Gluon Hopper forward exists to overlap the softmax of S_j with the product P_{j-1} V_{j-1}: its loop must
-    wait for the wgmma groups with one still in flight ("wait 1"), and no candidate may spill (ptxas)."""
+@pytest.mark.parametrize("kernel", ["forward", "dkdv"])
+def test_the_gluon_kernels_keep_a_product_in_flight_during_the_softmax(kernel):
+    """The Gluon Hopper kernels exist to overlap the softmax (forward) or the softmax gradient (dK/dV) with matrix
+    products: their loops must wait for the wgmma groups with one still in flight ("wait 1"). Spills stay out of
+    the forward's candidates and out of the dK/dV candidates without a mask (the causal diagonal's mask costs a few
+    registers at the 255 limit; Triton 3.6 and 3.9 spill at most a few words there)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     from attnzoo.kernels.tuning import CANDIDATES
 
-    configs = [c for c in CANDIDATES["forward"] if c.gluon]
+    configs = [c for c in CANDIDATES[kernel] if c.gluon]
     assert configs
     for cfg in configs:
         flags = ",".join(map(str, (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages))) + ",gluon"
         for causal in ((), ("--causal",)):
-            lines = _ptx_report("--kernel", "forward", "--d", "64,128", "--config", flags, *causal)
+            lines = _ptx_report("--kernel", kernel, "--d", "64,128", "--config", flags, *causal)
             assert len(lines) == 2
             for line in lines:
-                assert "spill 0/0 B" in line, line
+                spills = re.search(r"spill (\d+)/(\d+) B", line)
+                assert spills, line
+                limit = 32 if kernel == "dkdv" and causal else 0
+                assert int(spills.group(1)) <= limit and int(spills.group(2)) <= limit, line
                 waits = re.search(r"wgmma waits (.*)$", line).group(1).split()
-                assert "1x1" in waits, line
+                assert any(w.endswith("x1") for w in waits), line

@@ -175,24 +175,31 @@ def test_descriptor_loads_need_aligned_rows_and_a_unit_last_stride():
     torch.testing.assert_close(o.double(), oracle.reference(q, k, v).o, atol=1e-5, rtol=1e-5)
 
 
-def test_a_gluon_config_outside_the_hopper_forwards_scope_runs_its_triton_twin():
-    """A ``gluon`` forward config runs the Gluon Hopper kernel only where it can (``hopper_forward_reasons``); here
-    (the interpreter, or float32 on a GPU) it runs the Triton kernel with the same tiles: the same bits out."""
-    q, k, v, _, sl = _inputs(2, 2, 1, 37, 53, 40, [46, 0])
+def test_a_gluon_config_outside_the_hopper_scope_runs_its_triton_twin():
+    """A ``gluon`` config runs a Gluon Hopper kernel only where it can (``hopper_reasons``); here (the interpreter, or
+    float32 on a GPU) the forward and the dK/dV kernel run their Triton kernels with the same tiles: the same bits."""
+    q, k, v, do, sl = _inputs(2, 2, 1, 37, 53, 40, [46, 0])
     problem = attnzoo.get("triton_2kernel")._validate(q, k, v, True, None, sl)
     triton_cfg = KernelConfig(16, 16, 1, 1)
     gluon_ctx = t2k_module.make_context(q, k, v, problem, sl, forced_config=dataclasses.replace(triton_cfg, gluon=True))
-    reasons = gluon_ctx.hopper_forward_reasons()
-    assert reasons and not gluon_ctx.hopper_forward
-    assert any("seqlens_k" in r or "interpreter" in r or "Gluon" in r for r in reasons), reasons
+    for kernel in ("forward", "dkdv"):
+        reasons = gluon_ctx.hopper_reasons(kernel, do)
+        assert reasons and not gluon_ctx.hopper_forward
+        assert any("seqlens_k" in r or "interpreter" in r or "Gluon" in r for r in reasons), reasons
+    twin_ctx = t2k_module.make_context(q, k, v, problem, sl, forced_config=triton_cfg)
     o, lse = attention_forward(gluon_ctx)
-    o_twin, lse_twin = attention_forward(t2k_module.make_context(q, k, v, problem, sl, forced_config=triton_cfg))
+    o_twin, lse_twin = attention_forward(twin_ctx)
     assert torch.equal(o, o_twin) and torch.equal(lse, lse_twin)
+    grads = attention_backward_2kernel(gluon_ctx, do, o, lse)
+    grads_twin = attention_backward_2kernel(twin_ctx, do, o, lse)
+    for got, twin in zip(grads, grads_twin, strict=True):
+        assert torch.equal(got, twin)
 
 
-def test_gluon_candidates_are_not_tuned_where_they_would_run_their_twins(monkeypatch):
-    """Outside the Gluon forward's scope a ``gluon`` candidate would launch the Triton kernel with the same tiles:
-    the tuner drops it instead of timing one kernel twice; inside the scope it is a candidate like any other."""
+@pytest.mark.parametrize("kernel", ["forward", "dkdv"])
+def test_gluon_candidates_are_tuned_only_where_the_gluon_kernel_runs(monkeypatch, kernel):
+    """Outside a Gluon kernel's scope a ``gluon`` candidate would launch the Triton kernel with the same tiles: the
+    tuner drops it instead of timing one kernel twice; inside the scope it is a candidate like any other."""
     q, k, v, _, _ = _inputs(1, 2, 2, 64, 64, 64, None, dtype=torch.float16)
     problem = attnzoo.get("triton_2kernel")._validate(q, k, v, False, None, None)
     seen = []
@@ -207,9 +214,8 @@ def test_gluon_candidates_are_not_tuned_where_they_would_run_their_twins(monkeyp
     monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 232_448)  # an H100's
     for in_scope in (False, True):
         ctx = t2k_module.make_context(q, k, v, problem, None)
-        monkeypatch.setattr(LaunchContext, "hopper_forward_reasons", lambda self, r=in_scope: [] if r else ["no"])
         launch_module.AUTOTUNER.best.clear()
-        ctx.run("forward", lambda cfg: None)
+        ctx.run(kernel, lambda cfg: None, gluon_in_scope=in_scope)
     assert seen[0] and not any(c.gluon for c in seen[0])
     assert any(c.gluon for c in seen[1]) and any(not c.gluon for c in seen[1])
     launch_module.AUTOTUNER.best.clear()

@@ -7,6 +7,9 @@
   one K/V tile overlapped with the matrix products as in FlashAttention-3; the autotuner picks it per shape.
 - :mod:`.backward_2kernel`: the Q-stationary dQ kernel (which also computes Delta) and the K/V-stationary dK/dV
   kernel.
+- :mod:`.backward_gluon`: that dK/dV kernel for Hopper in Gluon, its softmax-gradient arithmetic overlapped with the
+  matrix products; the autotuner picks it per shape.
+- :mod:`.gluon_hopper`: what the Gluon kernels share (the API of the installed Triton, the TMA ring of tiles).
 - :mod:`.backward_atomic`: the Q-stationary backward whose dK/dV go through ``tl.atomic_add``, and the Delta
   preprocess kernel it may use.
 - :mod:`.tuning`: the block-size/warp/stage candidates, shared-memory pruning and the autotuner.

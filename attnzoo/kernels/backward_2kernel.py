@@ -8,7 +8,8 @@ Kernel B runs first: it keeps one Q block (with its dO rows) resident, computes 
 from one extra load of O, stores lse in base 2 beside it, and loops over the K/V blocks, writing dQ once.
 Kernel A keeps one K/V block resident and loops over the Q blocks (and, for grouped-query attention, over the
 query heads of the group), reading the stored lse2 and Delta, so each dK/dV row is summed in one program and
-written once.  No atomics: results are bitwise reproducible.
+written once.  No atomics: results are bitwise reproducible.  On Hopper the autotuner may run kernel A's Gluon
+version instead (``backward_gluon.py``, ``gluon`` configs), which sums in the same order: the same bits.
 
 FLOPs: kernel A 4 matrix products (S, dP, dV, dK) and kernel B 3 (S, dP, dQ), each 2*Nq*Nk*D per head:
 14*B*H*Nq*Nk*D in total, i.e. 3.5x the forward (the usual 2.5x count excludes the recomputation of S and dP
@@ -20,7 +21,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.compiler.errors import CompilationError
 
+from .backward_gluon import attention_dkdv_hopper
 from .common import (
     LOG2E,
     as_int64,
@@ -39,6 +42,7 @@ from .common import (
     store_tile,
     tile_pointers,
 )
+from .gluon_hopper import record_compile_failure
 from .launch import LaunchContext, grid_1d, int32_addressable, num_blocks
 
 
@@ -458,8 +462,18 @@ def attention_backward_2kernel(
     dk = ctx.new_output((B, Hkv, Nk, D), q.dtype)
     dv = ctx.new_output((B, Hkv, Nk, D), q.dtype)
     qk_scale = ctx.scale * LOG2E
+    hopper_dkdv = not ctx.hopper_reasons("dkdv", do)
 
     def launch_dkdv(cfg) -> None:
+        if cfg.gluon and hopper_dkdv:
+            try:
+                attention_dkdv_hopper(
+                    q, k, v, do, lse2, delta, dk, dv, ctx.scale, ctx.causal,
+                    cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                )  # fmt: skip
+                return
+            except CompilationError as error:  # Gluon's API drifted (frontend error): the Triton kernel's tiles serve
+                record_compile_failure(error)
         num_n_blocks = num_blocks(Nk, cfg.block_n)
         dkdv_kernel[grid_1d(num_n_blocks * B * Hkv)](
             q, k, v, do, lse2, delta, dk, dv, ctx.seqlens, ctx.counts_for(num_n_blocks * B * Hkv),
@@ -484,6 +498,6 @@ def attention_backward_2kernel(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
-    ctx.run("dq", launch_dq)  # first: it writes Delta
-    ctx.run("dkdv", launch_dkdv)
+    ctx.run("dq", launch_dq)  # first: it writes lse2 and Delta
+    ctx.run("dkdv", launch_dkdv, gluon_in_scope=hopper_dkdv)
     return dq, dk, dv

@@ -30,7 +30,8 @@ from .common import (
     store_tile,
     tile_pointers,
 )
-from .forward_gluon import attention_forward_hopper, record_compile_failure
+from .forward_gluon import attention_forward_hopper
+from .gluon_hopper import record_compile_failure
 from .launch import LaunchContext, grid_1d, num_blocks
 
 
@@ -245,5 +246,5 @@ def attention_forward(ctx: LaunchContext) -> tuple[torch.Tensor, torch.Tensor]:
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
-    ctx.run("forward", launch)
+    ctx.run("forward", launch, gluon_in_scope=ctx.hopper_forward)
     return o, lse

@@ -18,7 +18,7 @@ K/V tiles arrive by TMA into a ring of NUM_STAGES shared-memory slots, each with
 its bytes have landed.  A slot is refilled once every warpgroup is past the products that read it (a CTA-wide
 barrier at the top of each iteration), NUM_STAGES - 1 iterations before its tile is needed.
 
-Scope (``LaunchContext.hopper_forward_reasons`` says why a call runs ``forward.py``'s kernel instead): an sm_90
+Scope (``LaunchContext.hopper_reasons`` says why a call runs ``forward.py``'s kernel instead): an sm_90
 GPU, float16/bfloat16, head dims 64 and 128, no ``seqlens_k`` (TMA zero-fills past Nk only: V rows past
 ``seqlens_k[b]`` may hold NaN, and ``0 * NaN`` would reach ``P V``), a positive scale, and q/k/v that a TMA descriptor
 can address.
@@ -28,36 +28,24 @@ Causal masks, any Nq and Nk, and grouped-query heads are handled.  Results are t
 
 from __future__ import annotations
 
-import functools
-import warnings
-
 import torch
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
-
-    # Gluon's API moves between releases: Triton 3.9 renamed the TMA copies (the old names raise there) and the
-    # CTA-wide barrier; 3.6, the device's, has only the old names.
-    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-    cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-except (ImportError, AttributeError):  # pragma: no cover - no usable Gluon Hopper API: forward.py serves every call
-    gluon = None
-
 from .common import LOG2E, kv_loop_bounds, q_block_program
-
-HOPPER_DTYPES = (torch.float16, torch.bfloat16)
-HOPPER_HEAD_DIMS = (64, 128)
-
+from .gluon_hopper import (
+    cta_barrier,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    ring_load,
+    ring_wait,
+    tile_descriptor,
+    tma,
+    tma_load,
+    tma_store,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 if gluon is not None:
 
@@ -85,22 +73,6 @@ if gluon is not None:
         l_i = l_i * alpha + gl.sum(p, 1)
         p_op = gl.convert_layout(p.to(DTYPE), p_layout)
         return p_op, alpha, m_new, l_i
-
-    @gluon.jit
-    def _load_kv(desc, bars, ring, tile, batch, kv_head, n_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-        """Start the TMA copy of K or V tile ``tile`` into its ring slot (nothing when ``tile >= n_tiles``)."""
-        slot = tile % NUM_STAGES
-        bar = bars.index(slot)
-        in_range = tile < n_tiles
-        mbarrier.expect(bar, desc.block_type.nbytes, pred=in_range)
-        tma_load(desc, [batch, kv_head, tile * BLOCK_N, 0], bar, ring.index(slot), pred=in_range)
-
-    @gluon.jit
-    def _wait_kv(bars, ring, tile, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr):
-        """Wait for K or V tile ``tile`` to land; returns its slot as a ``[BLOCK_N, BLOCK_D]`` view."""
-        slot = tile % NUM_STAGES
-        mbarrier.wait(bars.index(slot), (tile // NUM_STAGES) & 1)
-        return ring.index(slot).reshape([BLOCK_N, BLOCK_D])
 
     @gluon.jit(do_not_specialize=["num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks"])
     def attention_forward_hopper_kernel(
@@ -173,9 +145,9 @@ if gluon is not None:
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         tma_load(q_desc, [batch, head, start_m, 0], q_bar, q_smem)
         for i in gl.static_range(NUM_STAGES):
-            _load_kv(k_desc, k_bars, k_ring, i, batch, kv_head, n_tiles, BLOCK_N, NUM_STAGES)
+            ring_load(k_desc, k_bars, k_ring, i, batch, kv_head, i * BLOCK_N, i < n_tiles, NUM_STAGES)
         for i in gl.static_range(NUM_STAGES - 1):
-            _load_kv(v_desc, v_bars, v_ring, i, batch, kv_head, n_tiles, BLOCK_N, NUM_STAGES)
+            ring_load(v_desc, v_bars, v_ring, i, batch, kv_head, i * BLOCK_N, i < n_tiles, NUM_STAGES)
         mbarrier.wait(q_bar, 0)
         q_tile = q_smem.reshape([BLOCK_M, BLOCK_D])
 
@@ -183,7 +155,7 @@ if gluon is not None:
         local_keys = gl.arange(0, BLOCK_N, s_cols)
 
         # Tile 0: nothing to overlap with yet.
-        k_tile = _wait_kv(k_bars, k_ring, 0, BLOCK_N, BLOCK_D, NUM_STAGES)
+        k_tile = ring_wait(k_bars, k_ring, 0, BLOCK_N, BLOCK_D, NUM_STAGES)
         s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
@@ -198,14 +170,16 @@ if gluon is not None:
             # Every warpgroup is past iteration j-1, so K slot j-1 (S_{j-1} waited) and V slot j-2 (P V waited)
             # are free: refill them with the tiles NUM_STAGES - 1 iterations ahead.
             cta_barrier()
-            _load_kv(k_desc, k_bars, k_ring, j + NUM_STAGES - 1, batch, kv_head, n_tiles, BLOCK_N, NUM_STAGES)
-            _load_kv(v_desc, v_bars, v_ring, j + NUM_STAGES - 2, batch, kv_head, n_tiles, BLOCK_N, NUM_STAGES)
+            k_next = j + NUM_STAGES - 1
+            v_next = j + NUM_STAGES - 2
+            ring_load(k_desc, k_bars, k_ring, k_next, batch, kv_head, k_next * BLOCK_N, k_next < n_tiles, NUM_STAGES)
+            ring_load(v_desc, v_bars, v_ring, v_next, batch, kv_head, v_next * BLOCK_N, v_next < n_tiles, NUM_STAGES)
 
-            k_tile = _wait_kv(k_bars, k_ring, j, BLOCK_N, BLOCK_D, NUM_STAGES)
+            k_tile = ring_wait(k_bars, k_ring, j, BLOCK_N, BLOCK_D, NUM_STAGES)
             # The last S tile's registers serve as the (ignored) accumulator input: no zero tile per iteration.
             s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s, use_acc=False, is_async=True)
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            v_tile = _wait_kv(v_bars, v_ring, j - 1, BLOCK_N, BLOCK_D, NUM_STAGES)
+            v_tile = ring_wait(v_bars, v_ring, j - 1, BLOCK_N, BLOCK_D, NUM_STAGES)
             acc = warpgroup_mma(p, v_tile, acc, is_async=True)
             # wgmma groups complete in order: one outstanding means S_j is done and P_{j-1} V_{j-1} may still run.
             s = warpgroup_mma_wait(1, deps=(s,))
@@ -217,7 +191,7 @@ if gluon is not None:
             p = p_next
 
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        v_tile = _wait_kv(v_bars, v_ring, n_tiles - 1, BLOCK_N, BLOCK_D, NUM_STAGES)
+        v_tile = ring_wait(v_bars, v_ring, n_tiles - 1, BLOCK_N, BLOCK_D, NUM_STAGES)
         acc = warpgroup_mma(p, v_tile, acc, is_async=True)
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
 
@@ -241,38 +215,6 @@ if gluon is not None:
         tma.store_wait(0)
 
 
-_compile_failure: list[str] = []  # the first compilation error of the kernel in this process, if any
-
-
-def gluon_unavailable_reason() -> str | None:
-    """Why the Gluon forward cannot run with this Triton (None when it can): no Gluon Hopper API, or the kernel
-    failed to compile with it earlier in this process (the API is experimental: run on 3.6, compiled on 3.9)."""
-    if gluon is None:
-        return "this Triton has no usable Gluon Hopper API (triton.experimental.gluon)"
-    if _compile_failure:
-        return f"the Gluon forward did not compile with this Triton: {_compile_failure[0]}"
-    return None
-
-
-def record_compile_failure(error: Exception) -> None:
-    """Turn the Gluon forward off for this process after a compilation error, with one warning saying why."""
-    if not _compile_failure:
-        _compile_failure.append(f"{type(error).__name__}: {str(error)[:500]}")
-        warnings.warn(
-            f"attnzoo: the Gluon Hopper forward does not compile with this Triton; using the Triton forward "
-            f"({_compile_failure[0]})",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-
-
-@functools.cache
-def _tile_layout(rows: int, head_dim: int, dtype: torch.dtype):
-    """The shared-memory layout of a ``[1, 1, rows, head_dim]`` TMA box (128-byte swizzle for these tiles)."""
-    gl_dtype = gl.float16 if dtype == torch.float16 else gl.bfloat16
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gl_dtype)
-
-
 def attention_forward_hopper(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -289,20 +231,17 @@ def attention_forward_hopper(
     """Write ``o`` ``[B, H, Nq, D]`` (contiguous, dtype of q) and ``lse`` ``[B, H, Nq]`` float32 of one call.
 
     ``q`` ``[B, H, Nq, D]``, ``k``/``v`` ``[B, Hkv, Nk, D]``, in the scope that
-    ``LaunchContext.hopper_forward_reasons`` checks.
+    ``LaunchContext.hopper_reasons("forward")`` checks.
     """
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     if block_m != 16 * num_warps:
         raise ValueError(f"block_m={block_m} with num_warps={num_warps}: the kernel needs block_m = 16 * num_warps")
 
-    def descriptor(x: torch.Tensor, rows: int) -> GluonTensorDescriptor:
-        box = [1, 1, rows, D]
-        return GluonTensorDescriptor(x, list(x.shape), list(x.stride()), box, _tile_layout(rows, D, x.dtype))
-
     num_m_blocks = -(-Nq // block_m)
     attention_forward_hopper_kernel[(num_m_blocks * B * H,)](
-        descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(o, block_m), lse,
+        tile_descriptor(q, block_m), tile_descriptor(k, block_n), tile_descriptor(v, block_n),
+        tile_descriptor(o, block_m), lse,
         H, H // Hkv, Nq, Nk, num_m_blocks, scale * LOG2E,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=D, CAUSAL=causal, NUM_STAGES=num_stages,
         IS_FP16=q.dtype == torch.float16, num_warps=num_warps,

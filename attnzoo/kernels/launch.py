@@ -18,7 +18,7 @@ except ImportError:  # pragma: no cover - older Triton: every launch uses pointe
     TensorDescriptor = None
 
 from ..backend import new_output, triton_interpreter_active
-from .forward_gluon import HOPPER_DTYPES, HOPPER_HEAD_DIMS, gluon_unavailable_reason
+from .gluon_hopper import HOPPER_DTYPES, HOPPER_HEAD_DIMS, gluon_unavailable_reason
 from .tuning import AUTOTUNER, CANDIDATES, INTERPRETER_CONFIG, KernelConfig, candidates, head_dim_tile, seqlen_bucket
 
 # The longest tile side of any launch config: in-tile offsets (row * row stride + col * col stride) are int32.
@@ -170,8 +170,12 @@ class LaunchContext:
             return True, *(tile_descriptor(x, cfg.block_n, self.block_d) for x in (self.k, self.v))
         return False, self.k, self.v
 
-    def hopper_forward_reasons(self) -> list[str]:
-        """Why this call is outside the Gluon Hopper forward's scope (``forward_gluon.py``); [] when it can run it."""
+    def hopper_reasons(self, kernel: str = "forward", do: torch.Tensor | None = None) -> list[str]:
+        """Why a ``gluon`` config of ``kernel`` runs its Triton twin on this call; [] when the Gluon kernel can run.
+
+        ``kernel``: ``"forward"`` (``forward_gluon.py``) or ``"dkdv"`` (``backward_gluon.py``, which also loads the
+        output gradient ``do`` by TMA).
+        """
         q = self.q
         unavailable = gluon_unavailable_reason()
         if unavailable:
@@ -186,13 +190,15 @@ class LaunchContext:
         if q.shape[-1] not in HOPPER_HEAD_DIMS:
             reasons.append(f"head dim {q.shape[-1]}: {' and '.join(map(str, HOPPER_HEAD_DIMS))} only")
         if self.has_seqlens:
-            # TMA zero-fills past Nk only: V rows past seqlens_k[b] would arrive as they are, and a NaN there
-            # makes P V NaN even where P = 0.
-            reasons.append("seqlens_k: the V rows past seqlens_k[b] may hold anything, and TMA cannot zero them")
-        if not self.scale > 0:
+            # TMA zero-fills past Nk only: K/V rows past seqlens_k[b] arrive as they are, and a NaN there makes P V
+            # (forward) or dP (backward) NaN even where P = 0.
+            reasons.append("seqlens_k: the K/V rows past seqlens_k[b] may hold anything, and TMA cannot zero them")
+        if kernel == "forward" and not self.scale > 0:
             reasons.append("scale <= 0: the kernel folds a positive scale into exp2's argument")
         if self.debug:
-            reasons.append("debug mode: the Gluon kernel keeps no tile counts")
+            reasons.append("debug mode: the Gluon kernels keep no tile counts")
+        if kernel == "dkdv" and (do is None or not descriptor_loads_possible(do)):
+            reasons.append("do not addressable by TMA (empty, or not: last stride 1, 16-byte aligned strides)")
         if not (descriptor_loads_possible(q) and self.kv_descriptors):
             reasons.append("q, k or v not addressable by TMA (empty, or not: last stride 1, 16-byte aligned strides)")
         return reasons
@@ -200,7 +206,7 @@ class LaunchContext:
     @cached_property
     def hopper_forward(self) -> bool:
         """Whether a ``gluon`` forward config runs the Gluon Hopper kernel here (else its Triton twin)."""
-        return not self.hopper_forward_reasons()
+        return not self.hopper_reasons("forward")
 
     def mask_stage_needed(self, block_n: int) -> bool:
         """Whether some tile of ``block_n`` keys needs the visibility mask: a causal diagonal, ``seqlens_k``, or a
@@ -225,6 +231,7 @@ class LaunchContext:
         kernel: str,
         launch: Callable[[KernelConfig], None],
         reset: Callable[[], None] | None = None,
+        gluon_in_scope: bool = False,
     ) -> KernelConfig:
         """Launch ``kernel`` with the interpreter's, the forced or the autotuned config; returns the config used.
 
@@ -232,7 +239,8 @@ class LaunchContext:
         followed by ``":variant"`` when variants of one kernel must be tuned apart.
 
         ``reset`` zeroes accumulation buffers; it runs before every launch of the kernel, so tuning trials
-        never leave partial sums behind.
+        never leave partial sums behind.  ``gluon_in_scope``: ``launch`` runs the Gluon kernel for a ``gluon``
+        config (``hopper_reasons``); otherwise such a config would run its Triton twin, and the tuner skips it.
         """
         self._running = kernel
         forced = self.forced_config
@@ -244,13 +252,17 @@ class LaunchContext:
                 reset()
             launch(cfg)
         else:
-            cfg = self._tune_and_launch(kernel, launch, reset)
+            cfg = self._tune_and_launch(kernel, launch, reset, gluon_in_scope)
         self.configs[kernel] = cfg
         self._running = None
         return cfg
 
     def _tune_and_launch(
-        self, kernel: str, launch: Callable[[KernelConfig], None], reset: Callable[[], None] | None
+        self,
+        kernel: str,
+        launch: Callable[[KernelConfig], None],
+        reset: Callable[[], None] | None,
+        gluon_in_scope: bool,
     ) -> KernelConfig:
         """Launch with the autotuner's choice for this call's key; returns the config that ran."""
         q = self.q
@@ -275,7 +287,7 @@ class LaunchContext:
         # descriptors (their pointer twin), Gluon ones outside its scope (the Triton kernel with the same tiles).
         if any(c.tma for c in configs) and not self.kv_descriptors:
             configs = [c for c in configs if not c.tma] or configs
-        if any(c.gluon for c in configs) and not self.hopper_forward:
+        if any(c.gluon for c in configs) and not gluon_in_scope:
             configs = [c for c in configs if not c.gluon] or configs
         cfg = AUTOTUNER.choose(key, configs, launch, reset)
         # The shared-memory estimate is rough: if the chosen config does not fit after all, take the next.

@@ -30,8 +30,9 @@ class KernelConfig:
 
     tma (forward and dQ kernel): load the K/V tiles of the unmasked stage through tensor descriptors (Hopper's
     TMA copy engine) where the inputs allow it (``launch.descriptor_loads_possible``), else through pointers.
-    gluon (forward): run the Gluon Hopper kernel (``forward_gluon.py``; NUM_STAGES = num_stages) where the call is in
-    its scope (``LaunchContext.hopper_forward_reasons``), else the Triton kernel with the same tiles.
+    gluon (forward, dK/dV kernel): run the Gluon Hopper kernel (``forward_gluon.py``, ``backward_gluon.py``;
+    NUM_STAGES = num_stages) where the call is in its scope (``LaunchContext.hopper_reasons``), else the Triton kernel
+    with the same tiles.
     """
 
     block_m: int
@@ -83,6 +84,12 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         KernelConfig(64, 64, 4, 3),
         # D = 64: 4 warps over 128 resident keys, 14% faster than (32, 64) at fp16 N = 8192 (NOTES-kernels.md).
         KernelConfig(32, 128, 4, 3),
+        # The Gluon Hopper dK/dV kernel (softmax-gradient arithmetic overlapped with the products; BLOCK_N = 16 *
+        # num_warps: one warpgroup per 64 resident keys). On the H100, fp16, the whole backward with 64 x 64 w4 s2
+        # (two CTAs per SM) ran 1.02-1.07x the best Triton tile at D = 128 and 0.95-0.97x at D = 64; 64 x 128 w8 s2
+        # 0.96-1.02x at D = 128; 32-row tiles and 3 stages were slower (docs/NOTES-kernels.md).
+        KernelConfig(64, 64, 4, 2, gluon=True),
+        KernelConfig(64, 128, 8, 2, gluon=True),
     ],
     # Q-stationary dQ: BLOCK_M query rows resident, BLOCK_N keys streamed.
     "dq": [

@@ -1,0 +1,252 @@
+"""The dK/dV kernel of the two-kernel backward for Hopper, written in Gluon: the softmax-gradient arithmetic of one
+Q tile runs while the tensor cores do that tile's other products.
+
+``backward_2kernel.py``'s Triton dK/dV kernel waits for both ``S^T = K Q^T`` and ``dP^T = V dO^T`` before any of
+its arithmetic, and for the arithmetic before issuing ``dV`` and ``dK``: on the H100 its tensor pipe was busy 59% of
+the time (ncu, fp16 D=128 8k; the dQ kernel 70%), at 507-520 executed TFLOP/s against the dQ kernel's 561-608
+(docs/NOTES-kernels.md).  Here each warpgroup issues its products asynchronously and waits for each only where its
+result is needed, so that one product always runs under the arithmetic.  Iteration ``t`` (Q tile ``t`` of the
+K/V block's loop), with ``P = exp2(S * scale * log2(e) - lse2)`` and ``dS = P * (dP - Delta)``:
+
+    issue  S^T_t = K Q_t^T,  dP^T_t = V dO_t^T       (asynchronous, in this order)
+    wait until one product is in flight -> S^T_t done
+    P^T_t = exp2(...)                                (while the tensor cores run dP^T_t)
+    issue  dV += P^T_t dO_t
+    wait until one product is in flight -> dP^T_t done
+    dS^T_t = P^T_t * (dP^T_t - Delta_t)              (while the tensor cores run dV)
+    issue  dK += dS^T_t Q_t; wait for it
+
+As in the Triton kernel the tiles are transposed (keys along the rows), so P^T and dS^T leave the arithmetic in the
+registers of the left operand of ``dV`` and ``dK``: no shared-memory round trip.  K and V are resident (one TMA
+load); Q and dO tiles stream through two rings of NUM_STAGES slots, slot ``i`` of both completing on one mbarrier
+when their bytes have landed, and a slot is refilled once every warpgroup has waited for the products that read it (a
+CTA-wide barrier at the end of the iteration).  lse2 (lse in base 2, +inf for an empty row) and Delta come from the
+dQ kernel, which runs first.
+
+Padding needs no predicate: TMA reads zeros for Q and dO rows past Nq, so those rows contribute nothing (and their
+lse2 loads as +inf), and K/V rows past Nk give gradient rows that the TMA store drops.  Only the tiles on the causal
+diagonal apply a mask.  On the H100 the whole backward ran 1.02-1.07x faster than with the best Triton dK/dV tile at
+D=128 and 0.95-0.97x at D=64 (fp16; the autotuner chooses; docs/NOTES-kernels.md).
+
+Scope (``LaunchContext.hopper_reasons("dkdv")``): that of the Gluon forward, and dO addressable by TMA.  ``seqlens_k``
+is out of it: K/V rows past ``seqlens_k[b]`` may hold NaN, which ``dP^T`` would carry into dK rows that must be 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import LOG2E, q_loop_bounds
+from .gluon_hopper import (
+    cta_barrier,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    ring_wait,
+    tile_descriptor,
+    tma,
+    tma_load,
+    tma_store,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+if gluon is not None:
+
+    @gluon.jit
+    def _load_q_do_tile(
+        q_desc, do_desc, bars, q_ring, do_ring, index, n_iters, tiles_per_head, lo, batch, first_head,
+        BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """Start the TMA copies of the Q and dO tiles of iteration ``index`` into their ring slots, both completing
+        on the slot's one mbarrier (nothing past the loop's end).
+
+        The loop runs over the group's query heads, then over the Q tiles ``[lo, hi)`` of each: iteration ``index``
+        is tile ``index % tiles_per_head`` of head ``first_head + index // tiles_per_head``."""
+        g = index // tiles_per_head
+        start_m = lo + (index - g * tiles_per_head) * BLOCK_M
+        pred = index < n_iters
+        slot = index % NUM_STAGES
+        bar = bars.index(slot)
+        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
+        tma_load(q_desc, [batch, first_head + g, start_m, 0], bar, q_ring.index(slot), pred=pred)
+        tma_load(do_desc, [batch, first_head + g, start_m, 0], bar, do_ring.index(slot), pred=pred)
+
+    @gluon.jit(do_not_specialize=["num_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "num_n_blocks"])
+    def attention_dkdv_hopper_kernel(
+        q_desc,
+        k_desc,
+        v_desc,
+        do_desc,
+        dk_desc,
+        dv_desc,
+        lse2_ptr,
+        delta_ptr,
+        num_heads,
+        num_kv_heads,
+        group_size,
+        seqlen_q,
+        seqlen_k,
+        num_n_blocks,
+        sm_scale,
+        qk_scale,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        BLOCK_D: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        NUM_STAGES: gl.constexpr,
+        IS_FP16: gl.constexpr,
+    ):
+        """dK, dV of one block of BLOCK_N keys of one (batch, kv head); grid: 1-d, num_n_blocks * B * Hkv programs
+        (as ``backward_2kernel.dkdv_kernel``), summed over the ``group_size`` query heads that read the kv head.
+
+        One warpgroup (4 warps of 16 keys) per 64 keys of the block: BLOCK_N = 16 * num_warps.
+        """
+        NUM_WARPS: gl.constexpr = gl.num_warps()
+        gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "one warpgroup per 64 keys: BLOCK_N must be 16 * num_warps")
+        DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
+        # Accumulator layouts: S^T and dP^T [BLOCK_N, BLOCK_M], dK and dV [BLOCK_N, BLOCK_D]; each warpgroup owns
+        # 64 keys.  P^T and dS^T go from the first layout's registers straight into the second's left operand.
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_M, 16]
+        )
+        dkv_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_D, 16]
+        )
+        operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dkv_layout, k_width=2)
+        key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
+        row_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+
+        pid = gl.program_id(0)
+        bh_kv = pid // num_n_blocks
+        n_block = pid % num_n_blocks
+        batch = bh_kv // num_kv_heads
+        kv_head = bh_kv % num_kv_heads
+        start_n = n_block * BLOCK_N
+        first_head = kv_head * group_size
+
+        # Q tiles [lo, unmasked_lo) cross the causal diagonal and need the mask; rows before lo see none of the
+        # block's keys.  The same range for every head of the group.  Keys past Nk need no mask here (their dK/dV
+        # rows are dropped by the store, and a row of dK or dV depends on its own key only), so the bounds are those
+        # of a whole block: its end is passed as the key count.
+        lo, unmasked_lo, hi = q_loop_bounds(start_n, seqlen_q, seqlen_k, start_n + BLOCK_N, CAUSAL, BLOCK_M, BLOCK_N)
+        tiles_per_head = (hi - lo) // BLOCK_M
+        n_iters = tiles_per_head * group_size
+        diagonal_offset = seqlen_k - seqlen_q
+
+        k_smem = gl.allocate_shared_memory(DTYPE, k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(DTYPE, v_desc.block_type.shape, v_desc.layout)
+        q_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_M, BLOCK_D], q_desc.layout)
+        do_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_M, BLOCK_D], do_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_do_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(q_do_bars.index(i), count=1)
+        fence_async_shared()
+
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma_load(k_desc, [batch, kv_head, start_n, 0], kv_bar, k_smem)
+        tma_load(v_desc, [batch, kv_head, start_n, 0], kv_bar, v_smem)
+        for i in gl.static_range(NUM_STAGES):
+            _load_q_do_tile(
+                q_desc, do_desc, q_do_bars, q_ring, do_ring, i, n_iters, tiles_per_head, lo, batch, first_head,
+                BLOCK_M, NUM_STAGES,
+            )  # fmt: skip
+        mbarrier.wait(kv_bar, 0)
+        k_tile = k_smem.reshape([BLOCK_N, BLOCK_D])
+        v_tile = v_smem.reshape([BLOCK_N, BLOCK_D])
+
+        keys = start_n + gl.arange(0, BLOCK_N, key_layout)
+        local_rows = gl.arange(0, BLOCK_M, row_layout)
+        dk = gl.zeros([BLOCK_N, BLOCK_D], gl.float32, dkv_layout)
+        dv = gl.zeros([BLOCK_N, BLOCK_D], gl.float32, dkv_layout)
+        # The last tile's registers serve as the (ignored) accumulator inputs of S^T and dP^T: no zeroing per tile.
+        s_t = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+        dp_t = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+
+        for t in range(n_iters):
+            g = t // tiles_per_head
+            start_m = lo + (t - g * tiles_per_head) * BLOCK_M
+            rows = start_m + local_rows
+            # lse2 of this Q tile's rows, loaded before the wait so that its latency hides behind it (Delta, needed
+            # later, is loaded after it: fewer registers live at once).  Padding rows: lse2 = +inf gives P = 0.
+            stats = (batch * num_heads + first_head + g).to(gl.int64) * seqlen_q + rows
+            lse2 = gl.load(lse2_ptr + stats, mask=rows < seqlen_q, other=float("inf"))
+
+            q_tile = ring_wait(q_do_bars, q_ring, t, BLOCK_M, BLOCK_D, NUM_STAGES)
+            do_tile = do_ring.index(t % NUM_STAGES).reshape([BLOCK_M, BLOCK_D])
+            s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_t, use_acc=False, is_async=True)
+            dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), dp_t, use_acc=False, is_async=True)
+            # wgmma groups complete in order: one outstanding means S^T is done and dP^T may still run.
+            s_t = warpgroup_mma_wait(1, deps=(s_t,))
+            delta = gl.load(delta_ptr + stats, mask=rows < seqlen_q, other=0.0)
+            p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
+            if CAUSAL:  # noqa: SIM102 - a compile-time test: without CAUSAL no mask code is emitted at all
+                if start_m < unmasked_lo:
+                    p_t = gl.where(keys[:, None] <= rows[None, :] + diagonal_offset, p_t, 0.0)
+            p_op = gl.convert_layout(p_t.to(DTYPE), operand_layout)
+            dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+            dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
+            ds_t = p_t * (dp_t - delta[None, :])
+            ds_op = gl.convert_layout(ds_t.to(DTYPE), operand_layout)
+            dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+            # P^T and dS^T stay alive (the products read them from registers) until this wait.
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
+            # Every warpgroup is past the products that read slot t: refill it with the tile NUM_STAGES ahead.
+            cta_barrier()
+            _load_q_do_tile(
+                q_desc, do_desc, q_do_bars, q_ring, do_ring, t + NUM_STAGES, n_iters, tiles_per_head, lo,
+                batch, first_head, BLOCK_M, NUM_STAGES,
+            )  # fmt: skip
+
+        mbarrier.invalidate(kv_bar)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(q_do_bars.index(i))
+
+        # dK and dV leave through K's and V's shared memory and two TMA stores (rows past Nk are dropped).  A block
+        # that no query row sees (lo == hi) stores zeros.
+        k_smem.reshape([BLOCK_N, BLOCK_D]).store((dk * sm_scale).to(DTYPE))
+        v_smem.reshape([BLOCK_N, BLOCK_D]).store(dv.to(DTYPE))
+        fence_async_shared()
+        cta_barrier()
+        tma_store(dk_desc, [batch, kv_head, start_n, 0], k_smem)
+        tma_store(dv_desc, [batch, kv_head, start_n, 0], v_smem)
+        tma.store_wait(0)
+
+
+def attention_dkdv_hopper(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse2: torch.Tensor,
+    delta: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    scale: float,
+    causal: bool,
+    block_m: int = 64,
+    block_n: int = 128,
+    num_warps: int = 8,
+    num_stages: int = 2,
+) -> None:
+    """Write ``dk``, ``dv`` ``[B, Hkv, Nk, D]`` (contiguous, dtype of q; summed over each head group).
+
+    ``q``, ``do`` ``[B, H, Nq, D]``, ``k``/``v`` ``[B, Hkv, Nk, D]``, in the scope that
+    ``LaunchContext.hopper_reasons("dkdv")`` checks; ``lse2`` (lse * log2(e), +inf on empty rows) and ``delta``
+    (rowsum(dO * O)) ``[B, H, Nq]`` float32 contiguous, as the dQ kernel writes them.
+    """
+    B, H, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    if block_n != 16 * num_warps:
+        raise ValueError(f"block_n={block_n} with num_warps={num_warps}: the kernel needs block_n = 16 * num_warps")
+    num_n_blocks = -(-Nk // block_n)
+    attention_dkdv_hopper_kernel[(num_n_blocks * B * Hkv,)](
+        tile_descriptor(q, block_m), tile_descriptor(k, block_n), tile_descriptor(v, block_n),
+        tile_descriptor(do, block_m), tile_descriptor(dk, block_n), tile_descriptor(dv, block_n), lse2, delta,
+        H, Hkv, H // Hkv, Nq, Nk, num_n_blocks, scale, scale * LOG2E,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=D, CAUSAL=causal, NUM_STAGES=num_stages,
+        IS_FP16=q.dtype == torch.float16, num_warps=num_warps,
+    )  # fmt: skip

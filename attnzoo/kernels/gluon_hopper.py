@@ -1,0 +1,123 @@
+"""What the Gluon kernels for Hopper share: the Gluon API of the installed Triton, the TMA ring of tile slots, the
+shared-memory layout of a tile, and the switch that turns Gluon off after a compilation failure.
+
+Gluon (``triton.experimental.gluon``) is Triton's lower-level language: its Hopper API has the asynchronous
+``wgmma`` with an explicit wait (``warpgroup_mma_wait(num_outstanding)``), TMA copies completing on mbarriers, and
+explicit register layouts, which is what the kernels of ``forward_gluon.py`` and ``backward_gluon.py`` need to keep
+the tensor cores busy while the softmax arithmetic runs.  The API is experimental and moves between releases: this
+module maps the calls that Triton 3.9 (CI's) renamed from 3.6 (the device's), and a kernel that fails to compile
+turns every Gluon kernel off for the process with one warning, so the Triton kernels serve every call.
+
+Tiles are ``[1, 1, rows, D]`` boxes of 4-d descriptors over ``[B, H, N, D]`` tensors: a box that reaches past N
+reads zeros and a store past N is dropped, so tails need no predicates, and a box never crosses into the next head.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    # Triton 3.9 renamed the TMA copies (the old names raise there) and the CTA-wide barrier; 3.6 has only the old
+    # names.
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+except (ImportError, AttributeError):  # pragma: no cover - no usable Gluon Hopper API: the Triton kernels serve
+    gluon = None
+
+__all__ = [
+    "HOPPER_DTYPES",
+    "HOPPER_HEAD_DIMS",
+    "cta_barrier",
+    "fence_async_shared",
+    "gl",
+    "gluon",
+    "gluon_unavailable_reason",
+    "mbarrier",
+    "record_compile_failure",
+    "ring_load",
+    "ring_wait",
+    "tile_descriptor",
+    "tma",
+    "tma_load",
+    "tma_store",
+    "warpgroup_mma",
+    "warpgroup_mma_wait",
+]
+
+HOPPER_DTYPES = (torch.float16, torch.bfloat16)
+HOPPER_HEAD_DIMS = (64, 128)
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def ring_load(desc, bars, ring, index, batch, head, row, pred, NUM_STAGES: gl.constexpr):
+        """Start the TMA copy of the ``[1, 1, rows, D]`` box at ``(batch, head, row)`` into slot ``index %
+        NUM_STAGES`` of ``ring``; its mbarrier completes when the bytes have landed.  Nothing when ``pred`` is
+        false (a tile past the end of the loop)."""
+        slot = index % NUM_STAGES
+        bar = bars.index(slot)
+        mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
+        tma_load(desc, [batch, head, row, 0], bar, ring.index(slot), pred=pred)
+
+    @gluon.jit
+    def ring_wait(bars, ring, index, ROWS: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """Wait for the tile loaded as number ``index`` of the ring; returns its slot as a ``[ROWS, BLOCK_D]`` view.
+
+        A slot's barrier completes once per use, so the phase to wait for is the use count's parity."""
+        slot = index % NUM_STAGES
+        mbarrier.wait(bars.index(slot), (index // NUM_STAGES) & 1)
+        return ring.index(slot).reshape([ROWS, BLOCK_D])
+
+
+_compile_failure: list[str] = []  # the first compilation error of a Gluon kernel in this process, if any
+
+
+def gluon_unavailable_reason() -> str | None:
+    """Why the Gluon kernels cannot run with this Triton (None when they can): no Gluon Hopper API, or a kernel
+    failed to compile with it earlier in this process (the API is experimental: run on 3.6, compiled on 3.9)."""
+    if gluon is None:
+        return "this Triton has no usable Gluon Hopper API (triton.experimental.gluon)"
+    if _compile_failure:
+        return f"a Gluon kernel did not compile with this Triton: {_compile_failure[0]}"
+    return None
+
+
+def record_compile_failure(error: Exception) -> None:
+    """Turn the Gluon kernels off for this process after a compilation error, with one warning saying why."""
+    if not _compile_failure:
+        _compile_failure.append(f"{type(error).__name__}: {str(error)[:500]}")
+        warnings.warn(
+            f"attnzoo: a Gluon Hopper kernel does not compile with this Triton; using the Triton kernels "
+            f"({_compile_failure[0]})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+@functools.cache
+def _tile_layout(rows: int, head_dim: int, dtype: torch.dtype):
+    """The shared-memory layout of a ``[1, 1, rows, head_dim]`` TMA box (128-byte swizzle for these tiles)."""
+    gl_dtype = gl.float16 if dtype == torch.float16 else gl.bfloat16
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gl_dtype)
+
+
+def tile_descriptor(x: torch.Tensor, rows: int) -> GluonTensorDescriptor:
+    """A Gluon TMA descriptor of ``x`` ``[B, H, N, D]`` whose box is ``[1, 1, rows, D]`` (one tile of one head)."""
+    box = [1, 1, rows, x.shape[-1]]
+    return GluonTensorDescriptor(x, list(x.shape), list(x.stride()), box, _tile_layout(rows, x.shape[-1], x.dtype))
