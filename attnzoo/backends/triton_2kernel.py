@@ -1,6 +1,7 @@
-"""``triton_2kernel``: Triton FA2 forward (on Hopper also the Gluon kernel of ``kernels/forward_gluon.py``, chosen by
-the autotuner); backward without atomics (a Q-stationary dQ kernel that also computes Delta, then a K/V-stationary
-dK/dV kernel).  The kernels live in :mod:`attnzoo.kernels`.
+"""``triton_2kernel``: Triton FA2 forward; backward without atomics (a Q-stationary dQ kernel that also computes
+Delta, then a K/V-stationary dK/dV kernel).  On Hopper the autotuner may pick Gluon versions of the forward and of the
+dK/dV kernel (``kernels/forward_gluon.py``, ``kernels/backward_gluon.py``).  The kernels live in
+:mod:`attnzoo.kernels`.
 
 On CPU tensors the kernels run through the Triton interpreter (``TRITON_INTERPRET=1``, set before Triton is
 imported); that path is for tests only and is never picked by ``backend="auto"``.
@@ -68,8 +69,8 @@ class Triton2Kernel(TritonBackend):
     name = "triton_2kernel"
     capabilities = Capabilities(
         summary=(
-            "Triton FA2 forward (on Hopper also a Gluon kernel that overlaps softmax and products); backward "
-            "without atomics: Q-stationary dQ (and Delta), K/V-stationary dK/dV"
+            "Triton FA2 forward; backward without atomics: Q-stationary dQ (and Delta), K/V-stationary dK/dV; on "
+            "Hopper also Gluon forward and dK/dV kernels that overlap the softmax with the products"
         ),
         devices=frozenset({"cuda", "cpu"}),
         dtypes=TRITON_DTYPES,

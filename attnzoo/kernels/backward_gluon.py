@@ -26,7 +26,7 @@ dQ kernel, which runs first.
 Padding needs no predicate: TMA reads zeros for Q and dO rows past Nq, so those rows contribute nothing (and their
 lse2 loads as +inf), and K/V rows past Nk give gradient rows that the TMA store drops.  Only the tiles on the causal
 diagonal apply a mask.  On the H100 the whole backward ran 1.02-1.07x faster than with the best Triton dK/dV tile at
-D=128 and 0.95-0.97x at D=64 (fp16; the autotuner chooses; docs/NOTES-kernels.md).
+D=128 and 0.84-0.96x at D=64 (fp16; the autotuner chooses; docs/NOTES-kernels.md).
 
 Scope (``LaunchContext.hopper_reasons("dkdv")``): that of the Gluon forward, and dO addressable by TMA.  ``seqlens_k``
 is out of it: K/V rows past ``seqlens_k[b]`` may hold NaN, which ``dP^T`` would carry into dK rows that must be 0.

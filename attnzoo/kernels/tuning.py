@@ -86,8 +86,8 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         KernelConfig(32, 128, 4, 3),
         # The Gluon Hopper dK/dV kernel (softmax-gradient arithmetic overlapped with the products; BLOCK_N = 16 *
         # num_warps: one warpgroup per 64 resident keys). On the H100, fp16, the whole backward with 64 x 64 w4 s2
-        # (two CTAs per SM) ran 1.02-1.07x the best Triton tile at D = 128 and 0.95-0.97x at D = 64; 64 x 128 w8 s2
-        # 0.96-1.02x at D = 128; 32-row tiles and 3 stages were slower (docs/NOTES-kernels.md).
+        # (two CTAs per SM) ran 1.02-1.07x the best Triton tile at D = 128 and 0.84-0.96x at D = 64; 64 x 128 w8 s2
+        # 0.95-1.00x at D = 128; 32-row tiles and 3 stages were slower (docs/NOTES-kernels.md).
         KernelConfig(64, 64, 4, 2, gluon=True),
         KernelConfig(64, 128, 8, 2, gluon=True),
     ],
