@@ -38,6 +38,7 @@ import torch
 
 from .common import LOG2E, q_loop_bounds
 from .gluon_hopper import (
+    accumulator_layout,
     cta_barrier,
     fence_async_shared,
     gl,
@@ -108,12 +109,8 @@ if gluon is not None:
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
         # Accumulator layouts: S^T and dP^T [BLOCK_N, BLOCK_M], dK and dV [BLOCK_N, BLOCK_D]; each warpgroup owns
         # 64 keys.  P^T and dS^T go from the first layout's registers straight into the second's left operand.
-        st_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_M, 16]
-        )
-        dkv_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_D, 16]
-        )
+        st_layout: gl.constexpr = accumulator_layout(NUM_WARPS, BLOCK_M)
+        dkv_layout: gl.constexpr = accumulator_layout(NUM_WARPS, BLOCK_D)
         operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dkv_layout, k_width=2)
         key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
         row_layout: gl.constexpr = gl.SliceLayout(0, st_layout)

@@ -32,6 +32,7 @@ import torch
 
 from .common import LOG2E, kv_loop_bounds, q_block_program
 from .gluon_hopper import (
+    accumulator_layout,
     cta_barrier,
     fence_async_shared,
     gl,
@@ -104,12 +105,8 @@ if gluon is not None:
         gl.static_assert(BLOCK_M == 16 * NUM_WARPS, "one warpgroup per 64 rows: BLOCK_M must be 16 * num_warps")
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
         # Accumulator layouts of the two products; each warpgroup owns 64 rows, a thread holds 2 of them.
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_N, 16]
-        )
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_D, 16]
-        )
+        s_layout: gl.constexpr = accumulator_layout(NUM_WARPS, BLOCK_N)
+        o_layout: gl.constexpr = accumulator_layout(NUM_WARPS, BLOCK_D)
         # P goes from the S accumulator's registers straight into P V as its register operand (no shared memory).
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)

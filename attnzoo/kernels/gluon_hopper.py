@@ -30,6 +30,7 @@ try:
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+    from triton.runtime.jit import constexpr_function
 
     # Triton 3.9 renamed the TMA copies (the old names raise there) and the CTA-wide barrier; 3.6 has only the old
     # names.
@@ -42,6 +43,7 @@ except (ImportError, AttributeError):  # pragma: no cover - no usable Gluon Hopp
 __all__ = [
     "HOPPER_DTYPES",
     "HOPPER_HEAD_DIMS",
+    "accumulator_layout",
     "cta_barrier",
     "fence_async_shared",
     "gl",
@@ -64,6 +66,12 @@ HOPPER_HEAD_DIMS = (64, 128)
 
 
 if gluon is not None:
+
+    @constexpr_function
+    def accumulator_layout(num_warps, columns):
+        """The register layout of a ``wgmma`` accumulator with ``columns`` columns (the product's N): one warpgroup
+        (4 warps of 16 rows) per 64 rows, so ``num_warps // 4`` warpgroups stacked along the rows."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, columns, 16])
 
     @gluon.jit
     def ring_load(desc, bars, ring, index, batch, head, row, pred, NUM_STAGES: gl.constexpr):
