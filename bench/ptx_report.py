@@ -82,15 +82,19 @@ def source(kernel, dtype: str, d: int, cfg: KernelConfig, causal: bool, q_tail: 
 
 def gluon_source(kernel_name: str, dtype: str, d: int, cfg: KernelConfig, causal: bool):
     """A Gluon Hopper kernel (a ``gluon`` config of the forward or the dK/dV kernel) as its launcher
-    (``forward_gluon.attention_forward_hopper``, ``backward_gluon.attention_dkdv_hopper``) specialises it:
-    descriptors of ``[1, 1, rows, d]`` boxes, BLOCK_M rows for q/o/dO and BLOCK_N rows for k/v/dK/dV."""
+    (``forward_gluon.attention_forward_hopper``, ``backward_gluon.attention_dkdv_hopper``) specialises it, and the
+    ``num_warps`` it launches with: descriptors of ``[1, 1, rows, d]`` boxes; the forward's q/o boxes hold one
+    warpgroup's 64 rows, its k/v boxes BLOCK_N; the dK/dV kernel's q/dO boxes BLOCK_M rows, its k/v/dK/dV BLOCK_N."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from attnzoo.kernels.backward_gluon import attention_dkdv_hopper_kernel
-    from attnzoo.kernels.forward_gluon import attention_forward_hopper_kernel
+    from attnzoo.kernels.forward_gluon import KERNEL_WARPS, attention_forward_hopper_kernel
 
-    kernel = {"forward": attention_forward_hopper_kernel, "dkdv": attention_dkdv_hopper_kernel}[kernel_name]
+    if kernel_name == "forward":
+        kernel, q_rows, num_warps = attention_forward_hopper_kernel, 64, KERNEL_WARPS
+    else:
+        kernel, q_rows, num_warps = attention_dkdv_hopper_kernel, cfg.block_m, cfg.num_warps
 
     def descriptor(rows: int) -> str:
         box = [1, 1, rows, d]
@@ -98,18 +102,18 @@ def gluon_source(kernel_name: str, dtype: str, d: int, cfg: KernelConfig, causal
         return f"tensordesc<{DTYPES[dtype]}[{', '.join(map(str, box))}],{layout!r}>"
 
     flags = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=d, CAUSAL=causal, NUM_STAGES=cfg.num_stages,
-                 IS_FP16=dtype == "fp16")  # fmt: skip
+                 IS_FP16=dtype == "fp16", NUM_WARPGROUPS=cfg.block_m // 64)  # fmt: skip
     signature, constexprs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in flags:
             signature[name], constexprs[(i,)] = "constexpr", flags[name]
         elif name.endswith("_desc"):
-            signature[name] = descriptor(cfg.block_m if name in ("q_desc", "o_desc", "do_desc") else cfg.block_n)
+            signature[name] = descriptor(q_rows if name in ("q_desc", "o_desc", "do_desc") else cfg.block_n)
         elif name.endswith("_ptr"):
             signature[name] = "*fp32"
         else:
             signature[name] = "fp32" if name in SCALARS else "i32"
-    return GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs), num_warps
 
 
 def report(kernel_name: str, dtype: str, d: int, cfg: KernelConfig, causal: bool, q_tail: bool) -> dict:
@@ -117,10 +121,10 @@ def report(kernel_name: str, dtype: str, d: int, cfg: KernelConfig, causal: bool
     if cfg.gluon:
         if gluon_unavailable_reason():
             raise SystemExit(gluon_unavailable_reason())
-        src = gluon_source(kernel_name, dtype, d, cfg, causal)
+        src, num_warps = gluon_source(kernel_name, dtype, d, cfg, causal)
     else:
-        src = source(KERNELS[kernel_name], dtype, d, cfg, causal, q_tail)
-    compiled = triton.compile(src, target=TARGET, options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        src, num_warps = source(KERNELS[kernel_name], dtype, d, cfg, causal, q_tail), cfg.num_warps
+    compiled = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=cfg.num_stages))
     ptx = compiled.asm["ptx"]
     path = f"/tmp/attnzoo_{kernel_name}_{os.getpid()}.ptx"
     with open(path, "w") as fh:

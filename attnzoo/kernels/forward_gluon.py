@@ -1,12 +1,12 @@
 """The forward for Hopper written in Gluon: the softmax of one K/V tile runs while the tensor cores do the previous
-tile's ``P V``.
+tile's ``P V``, and with 128-row tiles one warpgroup's softmax runs while the other's products do.
 
 ``forward.py``'s Triton kernel waits for each ``S = Q K^T`` before its softmax and for the softmax before
 ``P V``: on the H100 the tensor cores idle during the exponentials (ncu: tensor pipe active 50% of the time at
 D=128, cuDNN 74%; docs/NOTES-kernels.md), and Triton 3.6 neither keeps such a product asynchronous nor compiles
 warp specialisation on Hopper.  Gluon (``triton.experimental.gluon``) exposes the asynchronous ``wgmma`` and its
-wait directly, so this kernel orders the loop as FlashAttention-3 does (Shah et al., 2024, "intra-warpgroup
-overlapping", their Algorithm 2).  Iteration ``j`` of one program:
+wait directly, so each warpgroup (64 query rows) orders its loop as FlashAttention-3 does (Shah et al., 2024,
+"intra-warpgroup overlapping", their Algorithm 2).  Iteration ``j``:
 
     issue  S_j = Q K_j^T                      (asynchronous)
     scale  O *= alpha_{j-1}; issue O += P_{j-1} V_{j-1}  (asynchronous, behind S_j)
@@ -14,9 +14,19 @@ overlapping", their Algorithm 2).  Iteration ``j`` of one program:
     softmax of S_j -> P_j, alpha_j            (while the tensor cores run P_{j-1} V_{j-1})
     wait for P_{j-1} V_{j-1}
 
-K/V tiles arrive by TMA into a ring of NUM_STAGES shared-memory slots, each with an mbarrier that completes when
-its bytes have landed.  A slot is refilled once every warpgroup is past the products that read it (a CTA-wide
-barrier at the top of each iteration), NUM_STAGES - 1 iterations before its tile is needed.
+K/V tiles arrive by TMA into rings of NUM_STAGES shared-memory slots; slot ``i``'s "ready" mbarrier completes when
+its bytes have landed.  Two arrangements, by the number of warpgroups per Q block:
+
+- one warpgroup (64 rows): the warpgroup refills a slot itself, at the top of the iteration after its readers were
+  waited for (a barrier of its 4 warps), NUM_STAGES - 1 iterations before the tile is needed.  Small (74-80 KB of
+  shared memory, <= 160 registers), so two or three CTAs share an SM and interleave their phases.
+- two warpgroups (128 rows), warp-specialised (``gl.warp_specialize``): a producer warp issues every TMA copy, and
+  each warpgroup releases a slot by arriving on its "empty" mbarrier once its products have read it.  Nothing else
+  ties the warpgroups together, so they drift apart and one's exponentials fill the time of the other's products
+  (FlashAttention-3's "ping-pong", here left to the warp schedulers).  On the H100 this made the 128 x 128 tile
+  1.20-1.24x faster at D=128 than the same tile with both warpgroups issuing their own loads, in step, at four
+  CTA-wide barriers per iteration (fp16, N = 2k and 8k), and 1.15-1.29x faster than the best 64-row tile (fp16 and
+  bf16; docs/NOTES-kernels.md).
 
 Scope (``LaunchContext.hopper_reasons`` says why a call runs ``forward.py``'s kernel instead): an sm_90
 GPU, float16/bfloat16, head dims 64 and 128, no ``seqlens_k`` (TMA zero-fills past Nk only: V rows past
@@ -48,6 +58,9 @@ from .gluon_hopper import (
     warpgroup_mma_wait,
 )
 
+# The kernel's own warps (the first warpgroup); a second warpgroup and the producer warp join as worker partitions.
+KERNEL_WARPS = 4
+
 if gluon is not None:
 
     @gluon.jit
@@ -75,44 +88,144 @@ if gluon is not None:
         p_op = gl.convert_layout(p.to(DTYPE), p_layout)
         return p_op, alpha, m_new, l_i
 
-    @gluon.jit(do_not_specialize=["num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks"])
-    def attention_forward_hopper_kernel(
-        q_desc,
-        k_desc,
-        v_desc,
-        o_desc,
-        lse_ptr,
-        num_heads,
-        group_size,
-        seqlen_q,
-        seqlen_k,
-        num_m_blocks,
-        qk_scale,
-        BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr,
-        BLOCK_D: gl.constexpr,
-        CAUSAL: gl.constexpr,
-        NUM_STAGES: gl.constexpr,
-        IS_FP16: gl.constexpr,
-    ):
-        """o, lse of one Q block of one (batch, head); grid: 1-d, num_m_blocks * B * H programs (as ``forward.py``).
-
-        Descriptors are 4-d over ``[B, H, N, D]`` with ``[1, 1, rows, D]`` boxes: a box past N reads zeros and a store
-        past Nq is dropped, so the tails need no predicates.  One warpgroup (4 warps of 16 rows) per 64 rows of the
-        block: BLOCK_M = 16 * num_warps.
-        """
-        NUM_WARPS: gl.constexpr = gl.num_warps()
-        gl.static_assert(BLOCK_M == 16 * NUM_WARPS, "one warpgroup per 64 rows: BLOCK_M must be 16 * num_warps")
+    @gluon.jit
+    def _attend_rows(
+        k_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars,
+        WARPGROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, CAUSAL: gl.constexpr,
+        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr, INLINE_LOADS: gl.constexpr,
+    ):  # fmt: skip
+        """o and lse of the 64 rows of warpgroup ``WARPGROUP`` of the Q block (4 warps; the loop of the module
+        docstring).  INLINE_LOADS: this warpgroup refills the K/V slots itself (the whole block is one warpgroup);
+        else it releases each slot to the producer warp with an arrive on the slot's "empty" mbarrier."""
+        q_smem, k_ring, v_ring = smem
+        q_bars, k_ready, v_ready, k_empty, v_empty = bars
+        bh, batch, head, kv_head, start_m, seqlen_q, seqlen_k, unmasked_tiles, n_tiles, qk_scale = scalars
+        ROWS: gl.constexpr = q_smem.type.shape[3]
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
-        # Accumulator layouts of the two products; each warpgroup owns 64 rows, a thread holds 2 of them.
-        s_layout: gl.constexpr = accumulator_layout(NUM_WARPS, BLOCK_N)
-        o_layout: gl.constexpr = accumulator_layout(NUM_WARPS, BLOCK_D)
+        # Accumulator layouts of the two products (one warpgroup: a thread holds 2 of the 64 rows).
+        s_layout: gl.constexpr = accumulator_layout(4, BLOCK_N)
+        o_layout: gl.constexpr = accumulator_layout(4, BLOCK_D)
         # P goes from the S accumulator's registers straight into P V as its register operand (no shared memory).
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 
+        start_m = start_m + WARPGROUP * ROWS
+        diagonal_offset = seqlen_k - seqlen_q
+        rows = start_m + gl.arange(0, ROWS, s_rows)
+        local_keys = gl.arange(0, BLOCK_N, s_cols)
+        q_rows = q_smem.index(WARPGROUP)
+        mbarrier.wait(q_bars.index(WARPGROUP), 0)
+        q_tile = q_rows.reshape([ROWS, BLOCK_D])
+
+        # Tile 0: nothing to overlap with yet.
+        k_tile = ring_wait(k_ready, k_ring, 0, BLOCK_N, BLOCK_D, NUM_STAGES)
+        s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+        s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        if not INLINE_LOADS:
+            mbarrier.arrive(k_empty.index(0))
+        if unmasked_tiles == 0:
+            s = _mask_scores(s, rows, local_keys, diagonal_offset, seqlen_k, CAUSAL)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
+        l_i = gl.zeros([ROWS], gl.float32, s_rows)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, DTYPE, p_layout)
+        acc = gl.zeros([ROWS, BLOCK_D], gl.float32, o_layout)
+
+        for j in range(1, n_tiles):
+            if INLINE_LOADS:
+                # Every warp is past iteration j-1, so K slot j-1 (S_{j-1} waited) and V slot j-2 (P V waited) are
+                # free: refill them with the tiles NUM_STAGES - 1 iterations ahead.
+                cta_barrier()
+                k_next = j + NUM_STAGES - 1
+                v_next = j + NUM_STAGES - 2
+                ring_load(k_desc, k_ready, k_ring, k_next, batch, kv_head, k_next * BLOCK_N, k_next < n_tiles,
+                          NUM_STAGES)  # fmt: skip
+                ring_load(v_desc, v_ready, v_ring, v_next, batch, kv_head, v_next * BLOCK_N, v_next < n_tiles,
+                          NUM_STAGES)  # fmt: skip
+
+            k_tile = ring_wait(k_ready, k_ring, j, BLOCK_N, BLOCK_D, NUM_STAGES)
+            # The last S tile's registers serve as the (ignored) accumulator input: no zero tile per iteration.
+            s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s, use_acc=False, is_async=True)
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            v_tile = ring_wait(v_ready, v_ring, j - 1, BLOCK_N, BLOCK_D, NUM_STAGES)
+            acc = warpgroup_mma(p, v_tile, acc, is_async=True)
+            # wgmma groups complete in order: one outstanding means S_j is done and P_{j-1} V_{j-1} may still run.
+            s = warpgroup_mma_wait(1, deps=(s,))
+            if not INLINE_LOADS:
+                # A wgmma is one operation of the whole warpgroup: once it is complete in this thread, it has read
+                # its shared memory for all four warps, so one arrive per warpgroup frees the slot.
+                mbarrier.arrive(k_empty.index(j % NUM_STAGES))
+            if j >= unmasked_tiles:
+                s = _mask_scores(s, rows, j * BLOCK_N + local_keys, diagonal_offset, seqlen_k, CAUSAL)
+            p_next, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, DTYPE, p_layout)
+            # P_{j-1} stays alive (the product reads it from registers) until this wait.
+            acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+            if not INLINE_LOADS:
+                mbarrier.arrive(v_empty.index((j - 1) % NUM_STAGES))
+            p = p_next
+
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        v_tile = ring_wait(v_ready, v_ring, n_tiles - 1, BLOCK_N, BLOCK_D, NUM_STAGES)
+        acc = warpgroup_mma(p, v_tile, acc, is_async=True)
+        acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+
+        # Rows with no visible key: l = 0, acc = 0, m = -inf -> o = 0, lse = -inf (no NaN).
+        empty = l_i == 0.0
+        l_safe = gl.where(empty, 1.0, l_i)
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+        o_tile = acc * gl.convert_layout(1.0 / l_safe, o_rows)[:, None]
+        # O leaves through this warpgroup's Q rows in shared memory and one TMA store (rows past Nq are dropped by the
+        # copy engine).
+        cta_barrier()  # every warp is past the waits of the products that read Q
+        q_tile.store(o_tile.to(DTYPE))
+        fence_async_shared()
+        cta_barrier()
+        tma_store(o_desc, [batch, head, start_m, 0], q_rows)
+        gl.store(lse_ptr + bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _load_tiles(
+        q_desc, k_desc, v_desc, smem, bars, batch, head, kv_head, start_m, n_tiles,
+        BLOCK_N: gl.constexpr, NUM_WARPGROUPS: gl.constexpr, NUM_STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """The producer warp of the warp-specialised block: each warpgroup's Q rows, then K and V tile ``i`` into slot
+        ``i % NUM_STAGES`` as soon as every warpgroup has released the slot's previous tile."""
+        q_smem, k_ring, v_ring = smem
+        q_bars, k_ready, v_ready, k_empty, v_empty = bars
+        ROWS: gl.constexpr = q_desc.block_type.shape[2]
+        for w in gl.static_range(NUM_WARPGROUPS):
+            mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
+            tma_load(q_desc, [batch, head, start_m + w * ROWS, 0], q_bars.index(w), q_smem.index(w))
+        for i in range(n_tiles):
+            slot = i % NUM_STAGES
+            # An mbarrier starts as if its phase "-1" had completed, so the waits of the first round pass at once.
+            free_phase = ((i // NUM_STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(slot), free_phase)
+            ring_load(k_desc, k_ready, k_ring, i, batch, kv_head, i * BLOCK_N, True, NUM_STAGES)
+            mbarrier.wait(v_empty.index(slot), free_phase)
+            ring_load(v_desc, v_ready, v_ring, i, batch, kv_head, i * BLOCK_N, True, NUM_STAGES)
+
+    @gluon.jit(do_not_specialize=["num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks"])
+    def attention_forward_hopper_kernel(
+        q_desc, k_desc, v_desc, o_desc, lse_ptr,
+        num_heads, group_size, seqlen_q, seqlen_k, num_m_blocks, qk_scale,
+        BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, CAUSAL: gl.constexpr, NUM_WARPGROUPS: gl.constexpr,
+        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+    ):  # fmt: skip
+        """o, lse of one Q block of NUM_WARPGROUPS * 64 rows of one (batch, head); grid: 1-d, num_m_blocks * B * H
+        programs (as ``forward.py``); launched with 4 warps (the first warpgroup; the warp-specialised block adds
+        the second warpgroup and the producer warp as worker partitions).
+
+        Descriptors are 4-d over ``[B, H, N, D]``, with ``[1, 1, 64, D]`` boxes for q/o and ``[1, 1, BLOCK_N, D]``
+        for k/v: a box past N reads zeros and a store past Nq is dropped, so the tails need no predicates.
+        """
+        DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
+        ROWS: gl.constexpr = q_desc.block_type.shape[2]
+        gl.static_assert(ROWS == 64, "q/o boxes of one warpgroup's 64 rows")
+        BLOCK_M: gl.constexpr = ROWS * NUM_WARPGROUPS
         pid = gl.program_id(0)
         bh, m_block, batch, head, kv_head = q_block_program(pid, num_m_blocks, num_heads, group_size, CAUSAL)
         start_m = m_block * BLOCK_M
@@ -120,96 +233,66 @@ if gluon is not None:
         # Key ranges (kv_loop_bounds, as in forward.py): [0, unmasked_end) needs no mask; tiles from n_tiles on are
         # hidden from every real row.  At least one tile runs (fully masked when no row sees a key), so that the
         # loop needs no special case: it leaves m = -inf, l = 0 in such rows.
-        diagonal_offset = seqlen_k - seqlen_q
         unmasked_end, end = kv_loop_bounds(start_m, seqlen_q, seqlen_k, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
         unmasked_tiles = unmasked_end // BLOCK_N
         n_tiles = gl.maximum(gl.cdiv(end, BLOCK_N), 1)
 
-        q_smem = gl.allocate_shared_memory(DTYPE, q_desc.block_type.shape, q_desc.layout)
+        q_smem = gl.allocate_shared_memory(DTYPE, [NUM_WARPGROUPS, 1, 1, ROWS, BLOCK_D], q_desc.layout)
         k_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
         v_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
+        q_bars = gl.allocate_shared_memory(gl.int64, [NUM_WARPGROUPS, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for w in gl.static_range(NUM_WARPGROUPS):
+            mbarrier.init(q_bars.index(w), count=1)
         for i in gl.static_range(NUM_STAGES):
-            mbarrier.init(k_bars.index(i), count=1)
-            mbarrier.init(v_bars.index(i), count=1)
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=NUM_WARPGROUPS)  # one arrive per warpgroup frees a slot
+            mbarrier.init(v_empty.index(i), count=NUM_WARPGROUPS)
         fence_async_shared()
 
-        # Prologue loads: Q, K tiles 0 .. NUM_STAGES-1, V tiles 0 .. NUM_STAGES-2 (V slot NUM_STAGES-1 is filled
-        # at the top of iteration 1, when the refill schedule below takes over).
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma_load(q_desc, [batch, head, start_m, 0], q_bar, q_smem)
+        smem = (q_smem, k_ring, v_ring)
+        bars = (q_bars, k_ready, v_ready, k_empty, v_empty)
+        scalars = (bh, batch, head, kv_head, start_m, seqlen_q, seqlen_k, unmasked_tiles, n_tiles, qk_scale)
+        if NUM_WARPGROUPS == 1:
+            # Prologue loads: Q, K tiles 0 .. NUM_STAGES-1, V tiles 0 .. NUM_STAGES-2 (V slot NUM_STAGES-1 is filled
+            # at the top of iteration 1, when the refill schedule of _attend_rows takes over).
+            mbarrier.expect(q_bars.index(0), q_desc.block_type.nbytes)
+            tma_load(q_desc, [batch, head, start_m, 0], q_bars.index(0), q_smem.index(0))
+            for i in gl.static_range(NUM_STAGES):
+                ring_load(k_desc, k_ready, k_ring, i, batch, kv_head, i * BLOCK_N, i < n_tiles, NUM_STAGES)
+            for i in gl.static_range(NUM_STAGES - 1):
+                ring_load(v_desc, v_ready, v_ring, i, batch, kv_head, i * BLOCK_N, i < n_tiles, NUM_STAGES)
+            _attend_rows(k_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars,
+                         0, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16, True)  # fmt: skip
+        else:
+            gl.static_assert(NUM_WARPGROUPS == 2, "one or two warpgroups per Q block")
+            # Constexpr arguments go to the partitions as literals: a constexpr held in a variable would reach a
+            # worker partition as a runtime value in Triton 3.6.  A partition's register count (the third list)
+            # applies only where the kernel sets maxnreg; ptxas gives every thread 168 (65536 / 384 threads).
+            gl.warp_specialize(
+                [
+                    (_attend_rows, (k_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars,
+                                    0, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16, False)),
+                    (_attend_rows, (k_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars,
+                                    1, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16, False)),
+                    (_load_tiles, (q_desc, k_desc, v_desc, smem, bars, batch, head, kv_head, start_m, n_tiles,
+                                   BLOCK_N, NUM_WARPGROUPS, NUM_STAGES)),
+                ],
+                [4, 1],
+                [232, 24],
+            )  # fmt: skip
+
+        for w in gl.static_range(NUM_WARPGROUPS):
+            mbarrier.invalidate(q_bars.index(w))
         for i in gl.static_range(NUM_STAGES):
-            ring_load(k_desc, k_bars, k_ring, i, batch, kv_head, i * BLOCK_N, i < n_tiles, NUM_STAGES)
-        for i in gl.static_range(NUM_STAGES - 1):
-            ring_load(v_desc, v_bars, v_ring, i, batch, kv_head, i * BLOCK_N, i < n_tiles, NUM_STAGES)
-        mbarrier.wait(q_bar, 0)
-        q_tile = q_smem.reshape([BLOCK_M, BLOCK_D])
-
-        rows = start_m + gl.arange(0, BLOCK_M, s_rows)
-        local_keys = gl.arange(0, BLOCK_N, s_cols)
-
-        # Tile 0: nothing to overlap with yet.
-        k_tile = ring_wait(k_bars, k_ring, 0, BLOCK_N, BLOCK_D, NUM_STAGES)
-        s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s,))
-        if unmasked_tiles == 0:
-            s = _mask_scores(s, rows, local_keys, diagonal_offset, seqlen_k, CAUSAL)
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, s_rows)
-        l_i = gl.zeros([BLOCK_M], gl.float32, s_rows)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, DTYPE, p_layout)
-        acc = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, o_layout)
-
-        for j in range(1, n_tiles):
-            # Every warpgroup is past iteration j-1, so K slot j-1 (S_{j-1} waited) and V slot j-2 (P V waited)
-            # are free: refill them with the tiles NUM_STAGES - 1 iterations ahead.
-            cta_barrier()
-            k_next = j + NUM_STAGES - 1
-            v_next = j + NUM_STAGES - 2
-            ring_load(k_desc, k_bars, k_ring, k_next, batch, kv_head, k_next * BLOCK_N, k_next < n_tiles, NUM_STAGES)
-            ring_load(v_desc, v_bars, v_ring, v_next, batch, kv_head, v_next * BLOCK_N, v_next < n_tiles, NUM_STAGES)
-
-            k_tile = ring_wait(k_bars, k_ring, j, BLOCK_N, BLOCK_D, NUM_STAGES)
-            # The last S tile's registers serve as the (ignored) accumulator input: no zero tile per iteration.
-            s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s, use_acc=False, is_async=True)
-            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            v_tile = ring_wait(v_bars, v_ring, j - 1, BLOCK_N, BLOCK_D, NUM_STAGES)
-            acc = warpgroup_mma(p, v_tile, acc, is_async=True)
-            # wgmma groups complete in order: one outstanding means S_j is done and P_{j-1} V_{j-1} may still run.
-            s = warpgroup_mma_wait(1, deps=(s,))
-            if j >= unmasked_tiles:
-                s = _mask_scores(s, rows, j * BLOCK_N + local_keys, diagonal_offset, seqlen_k, CAUSAL)
-            p_next, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, DTYPE, p_layout)
-            # P_{j-1} stays alive (the product reads it from registers) until this wait.
-            acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-            p = p_next
-
-        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        v_tile = ring_wait(v_bars, v_ring, n_tiles - 1, BLOCK_N, BLOCK_D, NUM_STAGES)
-        acc = warpgroup_mma(p, v_tile, acc, is_async=True)
-        acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-
-        mbarrier.invalidate(q_bar)
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.invalidate(k_bars.index(i))
-            mbarrier.invalidate(v_bars.index(i))
-
-        # Rows with no visible key: l = 0, acc = 0, m = -inf -> o = 0, lse = -inf (no NaN).
-        empty = l_i == 0.0
-        l_safe = gl.where(empty, 1.0, l_i)
-        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-        o_tile = acc * gl.convert_layout(1.0 / l_safe, o_rows)[:, None]
-        # O leaves through Q's shared memory and one TMA store (rows past Nq are dropped by the copy engine).
-        cta_barrier()  # every warpgroup's last S product has read Q
-        q_smem.reshape([BLOCK_M, BLOCK_D]).store(o_tile.to(DTYPE))
-        fence_async_shared()
-        cta_barrier()
-        tma_store(o_desc, [batch, head, start_m, 0], q_smem)
-        gl.store(lse_ptr + bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
-        tma.store_wait(0)
+            mbarrier.invalidate(k_ready.index(i))
+            mbarrier.invalidate(v_ready.index(i))
+            mbarrier.invalidate(k_empty.index(i))
+            mbarrier.invalidate(v_empty.index(i))
 
 
 def attention_forward_hopper(
@@ -228,18 +311,21 @@ def attention_forward_hopper(
     """Write ``o`` ``[B, H, Nq, D]`` (contiguous, dtype of q) and ``lse`` ``[B, H, Nq]`` float32 of one call.
 
     ``q`` ``[B, H, Nq, D]``, ``k``/``v`` ``[B, Hkv, Nk, D]``, in the scope that
-    ``LaunchContext.hopper_reasons("forward")`` checks.
+    ``LaunchContext.hopper_reasons("forward")`` checks.  ``block_m`` = 64 (one warpgroup, ``num_warps`` = 4) or 128
+    (two warpgroups, ``num_warps`` = 8, warp-specialised with a producer warp).
     """
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    if block_m != 16 * num_warps:
-        raise ValueError(f"block_m={block_m} with num_warps={num_warps}: the kernel needs block_m = 16 * num_warps")
+    if block_m not in (64, 128) or block_m != 16 * num_warps:
+        raise ValueError(
+            f"block_m={block_m} with num_warps={num_warps}: the kernel runs one warpgroup (4 warps) per 64 rows, "
+            "block_m = 64 or 128"
+        )
 
     num_m_blocks = -(-Nq // block_m)
     attention_forward_hopper_kernel[(num_m_blocks * B * H,)](
-        tile_descriptor(q, block_m), tile_descriptor(k, block_n), tile_descriptor(v, block_n),
-        tile_descriptor(o, block_m), lse,
+        tile_descriptor(q, 64), tile_descriptor(k, block_n), tile_descriptor(v, block_n), tile_descriptor(o, 64), lse,
         H, H // Hkv, Nq, Nk, num_m_blocks, scale * LOG2E,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=D, CAUSAL=causal, NUM_STAGES=num_stages,
-        IS_FP16=q.dtype == torch.float16, num_warps=num_warps,
+        BLOCK_N=block_n, BLOCK_D=D, CAUSAL=causal, NUM_WARPGROUPS=block_m // 64, NUM_STAGES=num_stages,
+        IS_FP16=q.dtype == torch.float16, num_warps=KERNEL_WARPS,
     )  # fmt: skip

@@ -64,14 +64,15 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         KernelConfig(128, 128, 8, 3, tma=True),
         KernelConfig(128, 64, 8, 3, tma=True),
         KernelConfig(128, 64, 8, 4, tma=True),
-        # The Gluon Hopper forward (softmax overlapped with P V). On the H100 its best tile ran 1.02-1.22x the best of
-        # the pinned Triton tiles (fp16/bf16, D = 64/128, N = 1k-16k, full and causal). Winners: at D = 64, 64 x 128
-        # w4 (64 x 64 w4 at causal 1k); at D = 128, 64 x 64 w4 s2 at N <= 2k, 128 x 128 w8 or 64 x 64 w4 s2/s3 at
-        # 8k-16k (docs/NOTES-kernels.md). 64-row tiles leave room for two CTAs per SM, whose phases interleave.
+        # The Gluon Hopper forward (softmax overlapped with P V). 64-row tiles (one warpgroup loading its own tiles)
+        # leave room for two or three CTAs per SM, whose phases interleave: at D = 64, 64 x 128 w4 won every point
+        # (docs/NOTES-kernels.md). 128-row tiles are warp-specialised (a producer warp, two warpgroups out of step):
+        # at D = 128 they ran 1.15-1.25x the best 64-row tile (fp16, N = 2k and 8k).
         KernelConfig(64, 128, 4, 2, gluon=True),
         KernelConfig(64, 64, 4, 2, gluon=True),
         KernelConfig(64, 64, 4, 3, gluon=True),
         KernelConfig(128, 128, 8, 2, gluon=True),
+        KernelConfig(128, 128, 8, 3, gluon=True),
     ],
     # K/V-stationary dK/dV: BLOCK_N keys resident, BLOCK_M query rows streamed.
     # Order: measured fastest first at fp16 D=128 N=2048 on the H100 (docs/NOTES-kernels.md).
