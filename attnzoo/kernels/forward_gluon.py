@@ -52,7 +52,6 @@ from .gluon_hopper import (
     ring_wait,
     tile_descriptor,
     tma,
-    tma_load,
     tma_store,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -197,8 +196,7 @@ if gluon is not None:
         q_bars, k_ready, v_ready, k_empty, v_empty = bars
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
         for w in gl.static_range(NUM_WARPGROUPS):
-            mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
-            tma_load(q_desc, [batch, head, start_m + w * ROWS, 0], q_bars.index(w), q_smem.index(w))
+            ring_load(q_desc, q_bars, q_smem, w, batch, head, start_m + w * ROWS, True, NUM_WARPGROUPS)
         for i in range(n_tiles):
             slot = i % NUM_STAGES
             # An mbarrier starts as if its phase "-1" had completed, so the waits of the first round pass at once.
@@ -260,8 +258,7 @@ if gluon is not None:
         if NUM_WARPGROUPS == 1:
             # Prologue loads: Q, K tiles 0 .. NUM_STAGES-1, V tiles 0 .. NUM_STAGES-2 (V slot NUM_STAGES-1 is filled
             # at the top of iteration 1, when the refill schedule of _attend_rows takes over).
-            mbarrier.expect(q_bars.index(0), q_desc.block_type.nbytes)
-            tma_load(q_desc, [batch, head, start_m, 0], q_bars.index(0), q_smem.index(0))
+            ring_load(q_desc, q_bars, q_smem, 0, batch, head, start_m, True, 1)
             for i in gl.static_range(NUM_STAGES):
                 ring_load(k_desc, k_ready, k_ring, i, batch, kv_head, i * BLOCK_N, i < n_tiles, NUM_STAGES)
             for i in gl.static_range(NUM_STAGES - 1):
