@@ -3,12 +3,14 @@
 >>> import attnzoo
 >>> attnzoo.names()                       # every registered backend
 >>> o, lse = attnzoo.get("torch_fa2").forward(q, k, v, causal=True)
->>> o = attnzoo.attention(q, k, v, causal=True)   # autograd, drop-in for SDPA
+>>> o = attnzoo.attention(q, k, v, causal=True)   # autograd, torch.compile-able
+>>> o = attnzoo.sdpa(q, k, v, is_causal=True)     # scaled_dot_product_attention's exact signature and semantics
 """
 
 from . import backends as _backends  # noqa: F401  (registers every backend)
 from .autograd import attention, pick_backend
 from .backend import REQUIRED_FEATURES, Backend, Capabilities, get, names
+from .drop_in import sdpa, sdpa_patched
 from .validation import Problem
 
 __all__ = [
@@ -20,5 +22,7 @@ __all__ = [
     "get",
     "names",
     "pick_backend",
+    "sdpa",
+    "sdpa_patched",
 ]
 __version__ = "0.1.0"

@@ -1,9 +1,24 @@
-"""``attnzoo.attention``: an autograd drop-in for ``torch.nn.functional.scaled_dot_product_attention``."""
+"""``attnzoo.attention``: exact attention with autograd, as PyTorch custom operators.
+
+Every call reaches the backends through two operators of the ``attnzoo`` namespace:
+
+- ``attnzoo::attention_forward(q, k, v, seqlens_k, causal, scale, backend) -> (o, lse)``
+- ``attnzoo::attention_backward(do, q, k, v, o, lse, seqlens_k, causal, scale, backend) -> (dq, dk, dv)``
+
+registered with ``torch.library.custom_op``, a fake (meta) implementation that gives shapes and dtypes only, and an
+autograd formula that calls the backward operator.  ``torch.compile`` therefore sees each kernel call as one opaque
+node: Dynamo never traces into the Triton launch code (whose pointer arithmetic and tuning it cannot follow), Inductor
+never recompiles the kernels, and the graph has no break.  Under CUDA graph capture the operators launch the kernels
+as in eager mode.
+
+``backend`` travels as a string: a registered name, ``"auto"`` (resolved inside the operator, where the tensors are
+real, so that a traced graph does not depend on the pick), or the key of a backend instance built with options
+(``attnzoo.get(name, **options)``), registered here on first use.
+"""
 
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .backend import Backend, get, names
 from .validation import Problem, validate_forward
@@ -31,20 +46,102 @@ def _pick(problem: Problem) -> Backend:
     return get(min(candidates)[1])
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, seqlens_k, backend, problem):
-        o, lse = backend.forward_validated(q, k, v, problem, seqlens_k)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.seqlens_k, ctx.backend, ctx.problem = seqlens_k, backend, problem
-        return o
+# -- backends by key ------------------------------------------------------------------------------------------------
+# Custom operators take strings, not objects: a backend that is not the registered instance of its name (a variant
+# with options) is kept here under a key that names it.
+_INSTANCES: dict[str, Backend] = {}
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.backend.backward_validated(do, q, k, v, o, lse, ctx.problem, ctx.seqlens_k)
-        return dq, dk, dv, None, None, None, None, None
+
+def backend_key(backend: str | Backend) -> str:
+    """The string that names ``backend`` in an operator call: its name, ``"auto"``, or a key of an unregistered
+    instance (which is remembered here)."""
+    if isinstance(backend, str):
+        if backend != "auto":
+            get(backend)  # an unknown name fails here, listing the known ones
+        return backend
+    if not isinstance(backend, Backend):
+        raise TypeError(f"backend must be a backend name, a Backend or 'auto', got {type(backend).__name__}")
+    if backend.name in names() and get(backend.name) is backend:
+        return backend.name
+    key = f"{backend.name}@{id(backend):x}"
+    _INSTANCES[key] = backend
+    return key
+
+
+def _backend_of(key: str, problem: Problem) -> Backend:
+    if key == "auto":
+        return _pick(problem)
+    instance = _INSTANCES.get(key)
+    return instance if instance is not None else get(key)
+
+
+def _problem(q: Tensor, k: Tensor, v: Tensor, seqlens_k: Tensor | None, causal: bool, scale: float) -> Problem:
+    """Shapes and arguments checked inside an operator.  The values of ``seqlens_k`` are not read here: that would
+    synchronise with the GPU on every call of a compiled graph; :func:`attention` checks them in eager mode."""
+    return validate_forward(q, k, v, causal, scale, seqlens_k, check_values=False)
+
+
+# -- the operators --------------------------------------------------------------------------------------------------
+@torch.library.custom_op("attnzoo::attention_forward", mutates_args=())
+def attention_forward_op(
+    q: Tensor, k: Tensor, v: Tensor, seqlens_k: Tensor | None, causal: bool, scale: float, backend: str
+) -> tuple[Tensor, Tensor]:
+    """``o`` ``[B, H, Nq, D]`` (dtype of q) and ``lse`` ``[B, H, Nq]`` (float32) of one call."""
+    problem = _problem(q, k, v, seqlens_k, causal, scale)
+    return _backend_of(backend, problem).forward_validated(q, k, v, problem, seqlens_k)
+
+
+@attention_forward_op.register_fake
+def _(q, k, v, seqlens_k, causal, scale, backend):
+    B, H, Nq, _ = q.shape
+    o = q.new_empty((B, H, Nq, v.shape[-1]))
+    lse = q.new_empty((B, H, Nq), dtype=torch.float32)
+    return o, lse
+
+
+@torch.library.custom_op("attnzoo::attention_backward", mutates_args=())
+def attention_backward_op(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    seqlens_k: Tensor | None,
+    causal: bool,
+    scale: float,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``dq`` (shape of q) and ``dk``, ``dv`` (shape of k, v; summed over each query-head group)."""
+    problem = _problem(q, k, v, seqlens_k, causal, scale)
+    return _backend_of(backend, problem).backward_validated(do, q, k, v, o, lse, problem, seqlens_k)
+
+
+@attention_backward_op.register_fake
+def _(do, q, k, v, o, lse, seqlens_k, causal, scale, backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, seqlens_k, causal, scale, backend = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, seqlens_k)
+    ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse, seqlens_k = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(do, q, k, v, o, lse, seqlens_k, ctx.causal, ctx.scale, ctx.backend)
+    return dq, dk, dv, None, None, None, None
+
+
+attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def default_scale(q: Tensor, scale: float | None) -> float:
+    """``scale``, or ``1/sqrt(D)`` when None (as SDPA)."""
+    return q.shape[-1] ** -0.5 if scale is None else scale
 
 
 def attention(
@@ -56,15 +153,19 @@ def attention(
     seqlens_k: Tensor | None = None,
     backend: str | Backend = "auto",
 ) -> Tensor:
-    """Exact attention with autograd, like ``scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)``.
+    """Exact attention with autograd.
 
     q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nk, D]`` with ``H % Hkv == 0``; seqlens_k: integer ``[B]`` or None.
-    Returns o: ``[B, H, Nq, D]`` in the dtype of q.  ``causal`` is aligned to the bottom-right corner.
-    ``backend`` is a registered name, a :class:`Backend`, or ``"auto"``.
+    Returns o: ``[B, H, Nq, D]`` in the dtype of q.  ``causal`` is aligned to the bottom-right corner (as
+    FlashAttention; :func:`attnzoo.sdpa` has SDPA's top-left ``is_causal``).  ``backend`` is a registered name, a
+    :class:`Backend`, or ``"auto"``.  Works inside ``torch.compile(fullgraph=True)`` and CUDA graph capture.
     """
-    if not isinstance(backend, (str, Backend)):
-        raise TypeError(f"backend must be a backend name, a Backend or 'auto', got {type(backend).__name__}")
-    problem = validate_forward(q, k, v, causal, scale, seqlens_k)  # torch tensors only, before any kernel
-    if isinstance(backend, str):
-        backend = _pick(problem) if backend == "auto" else get(backend)
-    return _Attention.apply(q, k, v, causal, scale, seqlens_k, backend, problem)
+    key = backend_key(backend)
+    if not torch.compiler.is_compiling():
+        # Eager: every check, the values of seqlens_k included, before any kernel.  Traced: the operators check
+        # shapes when they run; reading seqlens_k's values there would cost a GPU synchronisation per call.
+        validate_forward(q, k, v, causal, scale, seqlens_k)
+    if seqlens_k is not None and seqlens_k.dtype != torch.int32:
+        seqlens_k = seqlens_k.to(torch.int32)
+    o, _lse = attention_forward_op(q, k, v, seqlens_k, bool(causal), float(default_scale(q, scale)), key)
+    return o
