@@ -162,9 +162,11 @@ def attention(
     """
     key = backend_key(backend)
     if not torch.compiler.is_compiling():
-        # Eager: every check, the values of seqlens_k included, before any kernel.  Traced: the operators check
-        # shapes when they run; reading seqlens_k's values there would cost a GPU synchronisation per call.
-        validate_forward(q, k, v, causal, scale, seqlens_k)
+        # Eager: every check before any kernel, the values of seqlens_k included unless a CUDA graph is being
+        # captured (reading them would synchronise with the GPU, which capture forbids).  Traced: the operators check
+        # shapes when they run; reading seqlens_k's values there would cost a synchronisation per call.
+        capturing = isinstance(q, Tensor) and q.is_cuda and torch.cuda.is_current_stream_capturing()
+        validate_forward(q, k, v, causal, scale, seqlens_k, check_values=not capturing)
     if seqlens_k is not None and seqlens_k.dtype != torch.int32:
         seqlens_k = seqlens_k.to(torch.int32)
     o, _lse = attention_forward_op(q, k, v, seqlens_k, bool(causal), float(default_scale(q, scale)), key)
