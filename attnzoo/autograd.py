@@ -34,16 +34,16 @@ def _pick(problem: Problem) -> Backend:
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, seqlens_k, backend, problem):
-        o, lse = backend.forward_validated(q, k, v, problem, seqlens_k)
+        o, lse = backend.forward_validated(q, k, v, problem)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.seqlens_k, ctx.backend, ctx.problem = seqlens_k, backend, problem
+        ctx.backend, ctx.problem = backend, problem
         return o
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.backend.backward_validated(do, q, k, v, o, lse, ctx.problem, ctx.seqlens_k)
+        dq, dk, dv = ctx.backend.backward_validated(do, q, k, v, o, lse, ctx.problem)
         return dq, dk, dv, None, None, None, None, None
 
 
