@@ -88,7 +88,7 @@ def attention_forward_op(
 ) -> tuple[Tensor, Tensor]:
     """``o`` ``[B, H, Nq, D]`` (dtype of q) and ``lse`` ``[B, H, Nq]`` (float32) of one call."""
     problem = _problem(q, k, v, seqlens_k, causal, scale)
-    return _backend_of(backend, problem).forward_validated(q, k, v, problem, seqlens_k)
+    return _backend_of(backend, problem).forward_validated(q, k, v, problem)
 
 
 @attention_forward_op.register_fake
@@ -114,7 +114,7 @@ def attention_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``dq`` (shape of q) and ``dk``, ``dv`` (shape of k, v; summed over each query-head group)."""
     problem = _problem(q, k, v, seqlens_k, causal, scale)
-    return _backend_of(backend, problem).backward_validated(do, q, k, v, o, lse, problem, seqlens_k)
+    return _backend_of(backend, problem).backward_validated(do, q, k, v, o, lse, problem)
 
 
 @attention_backward_op.register_fake

@@ -8,7 +8,7 @@ property tests all read that one declaration.
 from __future__ import annotations
 
 import contextlib
-import os
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,33 +16,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._env import new_output, poison_outputs, triton_interpreter_active  # noqa: F401  (re-exported for backends)
 from .validation import Problem, validate_backward, validate_forward
 
 Tensor = torch.Tensor
 
 # Features of SPEC.md that every backend must support; the property tests check the declarations against it.
 REQUIRED_FEATURES = frozenset({"causal", "seqlens_k", "gqa", "nq_ne_nk", "strided"})
-
-
-def triton_interpreter_active() -> bool:
-    """Whether Triton kernels run on the CPU through the interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def poison_outputs() -> bool:
-    """Whether outputs are NaN-filled before a kernel writes them (``ATTNZOO_POISON_OUTPUTS=1``, set by the tests)."""
-    return os.environ.get("ATTNZOO_POISON_OUTPUTS", "0") not in ("", "0")
-
-
-def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor:
-    """An uninitialised output tensor that a backend fills completely.
-
-    Under ``ATTNZOO_POISON_OUTPUTS=1`` it starts as NaN, so that an element the kernel forgets to write
-    fails the tests instead of passing with whatever the allocator left there.
-    """
-    if poison_outputs():
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
@@ -139,15 +119,15 @@ class Backend:
         q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nk, D]``; seqlens_k: integer ``[B]`` or None.
         Returns ``o`` (``[B, H, Nq, D]``, dtype of q) and ``lse`` (``[B, H, Nq]``, float32).
         """
-        return self.forward_validated(q, k, v, self._validate(q, k, v, causal, scale, seqlens_k), seqlens_k)
+        return self.forward_validated(q, k, v, self._validate(q, k, v, causal, scale, seqlens_k))
 
-    def forward_validated(self, q: Any, k: Any, v: Any, problem: Problem, seqlens_k: Any) -> tuple[Any, Any]:
+    def forward_validated(self, q: Any, k: Any, v: Any, problem: Problem) -> tuple[Any, Any]:
         """``forward`` on inputs already validated into ``problem`` (by ``attention``, which validates once)."""
         self._check(problem)
         if _is_empty(problem):
             return _empty_forward(q, problem)
         with _on_device(problem):
-            return self._forward(q, k, v, problem, seqlens_k)
+            return self._forward(q, k, v, problem)
 
     def backward(
         self,
@@ -166,12 +146,10 @@ class Backend:
         do, o: ``[B, H, Nq, D]``; lse: ``[B, H, Nq]`` float32.  Returns ``dq`` (shape of q) and
         ``dk``, ``dv`` (shape of k, summed over the query heads of each K/V group).
         """
-        return self.backward_validated(
-            do, q, k, v, o, lse, self._validate(q, k, v, causal, scale, seqlens_k), seqlens_k
-        )
+        return self.backward_validated(do, q, k, v, o, lse, self._validate(q, k, v, causal, scale, seqlens_k))
 
     def backward_validated(
-        self, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, problem: Problem, seqlens_k: Any
+        self, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, problem: Problem
     ) -> tuple[Any, Any, Any]:
         """``backward`` on q, k, v already validated into ``problem`` (by ``attention``'s forward)."""
         validate_backward(problem, do, o, lse)
@@ -179,16 +157,49 @@ class Backend:
         if _is_empty(problem):
             return _empty_backward(q, k, v)
         with _on_device(problem):
-            return self._backward(do, q, k, v, o, lse, problem, seqlens_k)
+            return self._backward(do, q, k, v, o, lse, problem)
 
-    def _forward(self, q, k, v, problem: Problem, seqlens_k) -> tuple[Any, Any]:
+    def _forward(self, q, k, v, problem: Problem) -> tuple[Any, Any]:
         raise NotImplementedError
 
-    def _backward(self, do, q, k, v, o, lse, problem: Problem, seqlens_k) -> tuple[Any, Any, Any]:
+    def _backward(self, do, q, k, v, o, lse, problem: Problem) -> tuple[Any, Any, Any]:
         raise NotImplementedError
+
+    def options(self) -> dict[str, Any]:
+        """The constructor options of this instance that differ from the registered defaults."""
+        shown = {}
+        for name, param in _option_parameters(type(self)).items():
+            value = getattr(self, name, param.default)
+            if value != param.default and not (param.default is None and not value):  # configs={} is configs=None
+                shown[name] = value
+        return shown
 
     def __repr__(self) -> str:
-        return f"<attnzoo backend {self.name}>"
+        shown = "".join(f" {name}={_option_text(value)}" for name, value in self.options().items())
+        return f"<attnzoo backend {self.name}{shown}>"
+
+
+def _option_parameters(cls: type[Backend]) -> dict[str, inspect.Parameter]:
+    """The keyword options of a backend class (its constructor's parameters; {} for a class without one)."""
+    if cls.__init__ is object.__init__:
+        return {}
+    params = inspect.signature(cls.__init__).parameters
+    return {name: p for name, p in params.items() if name != "self" and p.kind is not p.VAR_KEYWORD}
+
+
+def _option_text(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _frozen(value: Any) -> Any:
+    """A hashable stand-in for an option value (mappings and sequences by content)."""
+    if isinstance(value, Mapping):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
 
 
 def _is_empty(problem: Problem) -> bool:
@@ -236,11 +247,37 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
-def get(name: str) -> Backend:
-    """The backend registered under ``name``."""
+_VARIANTS: dict[tuple, Backend] = {}
+
+
+def get(name: str, **options: Any) -> Backend:
+    """The backend registered under ``name``; with ``options``, an instance of its class built with them.
+
+    Options by backend: ``numpy_ref``, ``torch_fa1``, ``torch_fa2``: ``block_m``, ``block_n``; ``triton_2kernel``,
+    ``triton_atomic``: ``configs`` (kernel name -> the ``KernelConfig`` or its text always used for that kernel, no
+    tuning, e.g. ``{"forward": "128x64 w8 s3 tma", "dkdv": "64x64 w4 s2 gluon"}``); ``triton_atomic`` also
+    ``delta`` ("preprocess" or "recompute").  The same options give the same instance.  An unknown option is a
+    ``TypeError`` naming it.
+    """
     if not isinstance(name, str):
         raise TypeError(f"backend name must be a str, got {type(name).__name__}")
     try:
-        return _REGISTRY[name]
+        registered = _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(_REGISTRY)}") from None
+    if not options:
+        return registered
+    known = _option_parameters(type(registered))
+    for option in options:
+        if option not in known:
+            listed = ", ".join(known) or "none"
+            raise TypeError(f"backend {name!r} has no option {option!r} (its options: {listed})")
+    try:
+        key = (name, _frozen(options))
+        hash(key)
+    except TypeError:  # an unhashable option value: a fresh instance, not cached
+        return type(registered)(**options)
+    instance = _VARIANTS.get(key)
+    if instance is None:
+        instance = _VARIANTS[key] = type(registered)(**options)
+    return instance

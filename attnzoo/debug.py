@@ -13,15 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
-from .backend import Backend, get, triton_interpreter_active
-from .backends.triton_2kernel import make_context
-from .backends.triton_atomic import TritonAtomic
-from .kernels.backward_2kernel import attention_backward_2kernel
-from .kernels.backward_atomic import attention_backward_atomic
-from .kernels.forward import attention_forward
-from .kernels.tuning import KernelConfig
+from ._env import triton_interpreter_active
+from .backend import Backend, get
+from .validation import validate_forward
 
 KERNELS = {
     "triton_2kernel": ("forward", "dkdv", "dq"),
@@ -63,9 +58,9 @@ def tile_counts(
 ) -> TileCounts:
     """Run one kernel of a Triton backend in debug mode and return its per-program visited/skipped tile counts.
 
-    backend: "triton_2kernel" or "triton_atomic" (or an instance, e.g. ``TritonAtomic(delta="recompute")``).
-    kernel: "forward"; "dkdv" or "dq" (triton_2kernel); "atomic" (triton_atomic).  Backward kernels run on
-    the forward's own ``o``/``lse`` and a random ``do`` (counts do not depend on values).
+    backend: "triton_2kernel" or "triton_atomic" (or an instance, e.g. ``attnzoo.get("triton_atomic",
+    delta="recompute")``).  kernel: "forward"; "dkdv" or "dq" (triton_2kernel); "atomic" (triton_atomic).  Backward
+    kernels run on the forward's own ``o``/``lse`` and a random ``do`` (counts do not depend on values).
     block_m, block_n: tile sizes (default 16 x 16 under the interpreter, 64 x 64 on the GPU).
     """
     backend = get(backend) if isinstance(backend, str) else backend
@@ -75,25 +70,19 @@ def tile_counts(
         raise ValueError(f"kernel of {backend.name} must be one of {KERNELS[backend.name]}, got {kernel!r}")
     default_m, default_n = _default_blocks()
     block_m, block_n = block_m or default_m, block_n or default_n
-    problem = backend._validate(q, k, v, causal, scale, seqlens_k)
-    backend._check(problem)
-    config = KernelConfig(block_m, block_n, 4, 2)
-    ctx = make_context(q, k, v, problem, seqlens_k, debug=True, forced_config=config)
-    o, lse = attention_forward(ctx)
-    if kernel != "forward":
-        do = torch.randn_like(q)
-        if backend.name == "triton_2kernel":
-            attention_backward_2kernel(ctx, do, o, lse)
-        else:
-            delta = backend.delta if isinstance(backend, TritonAtomic) else "preprocess"
-            attention_backward_atomic(ctx, do, o, lse, delta)
-            kernel = f"atomic:{delta}"
-    counts = ctx.counts[kernel].cpu()
+    reasons = backend.not_supported_reasons(q, k, v, causal=causal, scale=scale, seqlens_k=seqlens_k)
+    if reasons:
+        raise NotImplementedError(f"backend {backend.name!r} does not support this input: " + "; ".join(reasons))
+    problem = validate_forward(q, k, v, causal, scale, seqlens_k)
+    config = f"{block_m}x{block_n} w4 s2"
+    options = {name: value for name, value in backend.options().items() if name != "configs"}
+    fixed = get(backend.name, **options, configs=dict.fromkeys(KERNELS[backend.name], config))
+    counts = fixed.counted_run(q, k, v, problem, backward=kernel != "forward")[kernel].cpu()
     B, H, Nq = q.shape[:3]
     Hkv, Nk = k.shape[1], k.shape[2]
     if kernel == "dkdv":
-        shape = (B, Hkv, triton.cdiv(Nk, block_n))
+        shape = (B, Hkv, -(-Nk // block_n))
     else:
-        shape = (B, H, triton.cdiv(Nq, block_m))
+        shape = (B, H, -(-Nq // block_m))
     counts = counts.view(*shape, 2)
-    return TileCounts(kernel.split(":")[0], counts[..., 0], counts[..., 1], block_m, block_n)
+    return TileCounts(kernel, counts[..., 0], counts[..., 1], block_m, block_n)

@@ -8,7 +8,7 @@ that names the argument, the expected and the actual value.  Nothing here modifi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,8 @@ class Problem:
 
     ``q`` is ``[batch, heads, seqlen_q, head_dim]``; ``k`` and ``v`` are ``[batch, kv_heads, seqlen_k, head_dim]``.
     ``dtype`` is a ``torch.dtype`` also for NumPy inputs (``is_numpy`` tells them apart).
+    Every argument of the call besides the tensors travels here, so a backend reads one object: ``seqlens_k`` is the
+    validated integer tensor (or array) ``[batch]`` itself, or None.
     """
 
     batch: int
@@ -46,9 +48,14 @@ class Problem:
     device: str  # the device type: "cpu" or "cuda"
     causal: bool
     scale: float
-    has_seqlens_k: bool
     is_numpy: bool
     device_name: str = "cpu"  # the full device, e.g. "cuda:1"
+    seqlens_k: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def has_seqlens_k(self) -> bool:
+        """Whether keys are masked per batch (``seqlens_k`` given)."""
+        return self.seqlens_k is not None
 
     @property
     def group_size(self) -> int:
@@ -176,9 +183,9 @@ def validate_forward(
         device=_device_type(q),
         causal=bool(causal),
         scale=float(scale),
-        has_seqlens_k=seqlens_k is not None,
         is_numpy=is_numpy,
         device_name=_device_of(q),
+        seqlens_k=seqlens_k,
     )
 
 

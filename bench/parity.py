@@ -19,7 +19,7 @@ import torch
 
 from attnzoo.bench import impls as impl_registry
 from attnzoo.bench import timing
-from attnzoo.kernels.tuning import AUTOTUNER
+from attnzoo.kernels import tuning
 
 IMPLS = ["triton_2kernel", "flex_attention", "sdpa_flash"]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -74,8 +74,8 @@ def main() -> None:
                 print(line, flush=True)
                 del prepared, inputs, q, k, v, do
                 torch.cuda.empty_cache()
-    for key in AUTOTUNER.timings:  # what the autotuner picked for each kernel and shape, with its timings
-        print("[tuned]", AUTOTUNER.describe(key), flush=True)
+    for line in tuning.tuned_report().values():  # what the tuner picked for each kernel and shape, with its timings
+        print("[tuned]", line, flush=True)
     if args.out:
         with open(args.out, "w", newline="") as fh:
             header = ["dtype", "D", "causal", "N", "part", "ref", "triton_2kernel", "ref_tflops", "ratio_of_medians",

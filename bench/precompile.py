@@ -49,10 +49,6 @@ def compile_config(job: Job) -> str:
     import torch
 
     import attnzoo
-    from attnzoo.backends.triton_2kernel import make_context
-    from attnzoo.kernels.backward_2kernel import attention_backward_2kernel
-    from attnzoo.kernels.backward_atomic import attention_backward_atomic
-    from attnzoo.kernels.forward import attention_forward
     from attnzoo.kernels.tuning import CANDIDATES, candidates, head_dim_tile
 
     dtype_name, d, causal, kernel, config = job
@@ -63,14 +59,14 @@ def compile_config(job: Job) -> str:
     try:
         for batch in (1, 2):
             q, k, v, do = (torch.randn(batch, 16, 256, d, device=DEVICE, dtype=dtype) for _ in range(4))
-            problem = attnzoo.get("triton_2kernel")._validate(q, k, v, causal, None, None)
-            ctx = make_context(q, k, v, problem, None, forced_config=forced)
-            o, lse = attention_forward(ctx)
+            two_kernel = attnzoo.get("triton_2kernel", configs={n: forced[n] for n in ("forward", "dq", "dkdv")})
+            o, lse = two_kernel.forward(q, k, v, causal=causal)
             if kernel in ("dkdv", "dq"):
-                attention_backward_2kernel(ctx, do, o, lse)
+                two_kernel.backward(do, q, k, v, o, lse, causal=causal)
             elif kernel == "atomic":
                 for delta in ("preprocess", "recompute"):
-                    attention_backward_atomic(ctx, do, o, lse, delta)
+                    atomic = attnzoo.get("triton_atomic", delta=delta, configs={"atomic": config})
+                    atomic.backward(do, q, k, v, o, lse, causal=causal)
         torch.cuda.synchronize()
         outcome = "ok"
     except Exception as exc:  # reported; the timing run falls back past configs that fail to launch

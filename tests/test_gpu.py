@@ -15,15 +15,21 @@ from triton.runtime.errors import OutOfResources
 
 import attnzoo
 from attnzoo import oracle
-from attnzoo.backends.triton_2kernel import make_context
-from attnzoo.backends.triton_atomic import variant
+from attnzoo.kernels import tuning
 from attnzoo.kernels.backward_2kernel import attention_backward_2kernel
-from attnzoo.kernels.backward_atomic import attention_backward_atomic
 from attnzoo.kernels.forward import attention_forward
-from attnzoo.kernels.launch import LaunchContext
+from attnzoo.kernels.launch import KernelVariant, PreparedCall, prepare
 from attnzoo.kernels.tuning import CANDIDATES, candidates, head_dim_tile
+from attnzoo.validation import validate_forward
 
 pytestmark = pytest.mark.gpu
+
+
+def _prepared(q, k, v, scale, causal, seqlens_k=None, forced=None) -> PreparedCall:
+    """The launch layer's prepared call of validated inputs (kernels then run with ``forced`` configs or tuned)."""
+    return prepare(q, k, v, validate_forward(q, k, v, causal, scale, seqlens_k), forced=forced)
+
+
 CUDA = "cuda"
 TRITON = ("triton_2kernel", "triton_atomic")
 NAMES = ("o", "lse", "dq", "dk", "dv")
@@ -168,21 +174,25 @@ def test_every_candidate_config_is_correct(dtype, D):
     """Every autotuning candidate of every kernel computes the right thing (or cannot launch: OutOfResources,
     which the tuner skips; those are printed)."""
     q, k, v, do, sl = _make(2, 4, 2, 300, 333, D, dtype, [333, 100], seed=D)
-    problem = attnzoo.get("triton_2kernel")._validate(q, k, v, True, None, sl)
     lists = {name: candidates(name, head_dim_tile(D), dtype, q.device) for name in CANDIDATES}
     o_ref, lse_ref = attnzoo.get("triton_2kernel").forward(q, k, v, causal=True, seqlens_k=sl)
     out_of_resources = []
+    kw = dict(causal=True, seqlens_k=sl)
     for i in range(max(len(c) for c in lists.values())):
         forced = {name: configs[i % len(configs)] for name, configs in lists.items()}
-        ctx = make_context(q, k, v, problem, sl, forced_config=forced)
+        two_kernel = attnzoo.get("triton_2kernel", configs={n: forced[n] for n in ("forward", "dq", "dkdv")})
+        stage = "forward"
         try:
-            o, lse = attention_forward(ctx)
-            _small_check((o, lse, *attention_backward_2kernel(ctx, do, o_ref, lse_ref)), q, k, v, do, True, sl)
+            o, lse = two_kernel.forward(q, k, v, **kw)
+            stage = "dq/dkdv"
+            grads = two_kernel.backward(do, q, k, v, o_ref, lse_ref, **kw)
+            _small_check((o, lse, *grads), q, k, v, do, True, sl)
         except OutOfResources:
-            out_of_resources.append(f"{ctx._running}: {forced[ctx._running.split(':')[0]]}")
+            out_of_resources.append(f"{stage}: {forced}")
         for delta in ("preprocess", "recompute"):
+            atomic = attnzoo.get("triton_atomic", delta=delta, configs={"atomic": forced["atomic"]})
             try:
-                grads = attention_backward_atomic(ctx, do, o_ref, lse_ref, delta)
+                grads = atomic.backward(do, q, k, v, o_ref, lse_ref, **kw)
             except OutOfResources:
                 out_of_resources.append(f"atomic: {forced['atomic']}")
                 continue
@@ -229,9 +239,9 @@ def test_gluon_hopper_forward_against_oracle(cfg):
     _needs_hopper()
     for dtype, B, H, Hkv, Nq, Nk, D, causal, layout in HOPPER_CASES:
         q, k, v, _ = _hopper_case_inputs(dtype, B, H, Hkv, Nq, Nk, D, layout)
-        ctx = LaunchContext(q, k, v, D**-0.5, causal, None, forced_config={"forward": cfg})
-        assert ctx.hopper_forward, ctx.hopper_reasons("forward")
-        o, lse = attention_forward(ctx)
+        call = _prepared(q, k, v, D**-0.5, causal, forced={"forward": cfg})
+        assert not call.gluon_reasons(KernelVariant.FORWARD), call.gluon_reasons(KernelVariant.FORWARD)
+        o, lse = attention_forward(call)
         ref = oracle.reference(q, k, v, causal=causal, device=CUDA)
         base = oracle.plain_torch(q, k, v, None, causal)
         errors = []
@@ -253,10 +263,10 @@ def test_gluon_hopper_dkdv_against_oracle(cfg):
     for dtype, B, H, Hkv, Nq, Nk, D, causal, layout in HOPPER_CASES:
         q, k, v, do = _hopper_case_inputs(dtype, B, H, Hkv, Nq, Nk, D, layout)
         forced = {"forward": CANDIDATES["forward"][0], "dq": CANDIDATES["dq"][0], "dkdv": cfg}
-        ctx = LaunchContext(q, k, v, D**-0.5, causal, None, forced_config=forced)
-        assert not ctx.hopper_reasons("dkdv", do), ctx.hopper_reasons("dkdv", do)
-        o, lse = attention_forward(ctx)
-        dq, dk, dv = attention_backward_2kernel(ctx, do, o, lse)
+        call = _prepared(q, k, v, D**-0.5, causal, forced=forced)
+        assert not call.gluon_reasons(KernelVariant.DKDV, do), call.gluon_reasons(KernelVariant.DKDV, do)
+        o, lse = attention_forward(call)
+        dq, dk, dv = attention_backward_2kernel(call, do, o, lse)
         ref = oracle.reference(q, k, v, do, causal=causal, device=CUDA)
         base = oracle.plain_torch(q, k, v, do, causal)
         contract = oracle.contract_errors(q, k, v, do, ref, causal=causal, stored_o=o)
@@ -276,30 +286,30 @@ def test_gluon_hopper_scope():
     """The Gluon kernels are used where their contract holds and left for the Triton kernels elsewhere."""
     _needs_hopper()
     q, k, v, do, sl = _make(2, 4, 2, 256, 256, 128, torch.float16, [256, 100])
-    in_scope = LaunchContext(q, k, v, 0.1, True, None)
-    assert in_scope.hopper_forward and not in_scope.hopper_reasons("dkdv", do)
+    forward, dkdv = KernelVariant.FORWARD, KernelVariant.DKDV
+    in_scope = _prepared(q, k, v, 0.1, True)
+    assert not in_scope.gluon_reasons(forward) and not in_scope.gluon_reasons(dkdv, do)
     outside = {
-        "seqlens_k": LaunchContext(q, k, v, 0.1, True, sl),
-        "dtype": LaunchContext(q.float(), k.float(), v.float(), 0.1, True, None),
-        "head dim": LaunchContext(q[..., :96], k[..., :96], v[..., :96], 0.1, True, None),
+        "seqlens_k": _prepared(q, k, v, 0.1, True, sl),
+        "dtype": _prepared(q.float(), k.float(), v.float(), 0.1, True),
+        "head dim": _prepared(q[..., :96], k[..., :96], v[..., :96], 0.1, True),
         # rows 132 * 2 bytes apart: not a multiple of 16 bytes
-        "TMA": LaunchContext(q, torch.randn(2, 2, 256, 132, device=CUDA, dtype=q.dtype)[..., :128], v, 0.1, True, None),
+        "TMA": _prepared(q, torch.randn(2, 2, 256, 132, device=CUDA, dtype=q.dtype)[..., :128], v, 0.1, True),
     }
-    for what, ctx in outside.items():
-        for kernel in ("forward", "dkdv"):
-            reasons = ctx.hopper_reasons(kernel, torch.randn_like(ctx.q))
-            assert reasons and any(what in r for r in reasons), (what, kernel, reasons)
-        assert not ctx.hopper_forward
+    for what, call in outside.items():
+        for variant in (forward, dkdv):
+            reasons = call.gluon_reasons(variant, torch.randn_like(call.q))
+            assert reasons and any(what in r for r in reasons), (what, variant, reasons)
     # A negative scale is only the forward's concern (it folds the scale into exp2's argument).
-    negative = LaunchContext(q, k, v, -0.1, True, None)
-    assert any("scale" in r for r in negative.hopper_reasons("forward")) and not negative.hopper_forward
-    assert not negative.hopper_reasons("dkdv", do)
+    negative = _prepared(q, k, v, -0.1, True)
+    assert any("scale" in r for r in negative.gluon_reasons(forward))
+    assert not negative.gluon_reasons(dkdv, do)
     # dO that TMA cannot address keeps the Triton dK/dV kernel.
     strided_do = torch.randn(2, 4, 256, 132, device=CUDA, dtype=q.dtype)[..., :128]
-    assert any("do " in r for r in in_scope.hopper_reasons("dkdv", strided_do))
+    assert any("do " in r for r in in_scope.gluon_reasons(dkdv, strided_do))
     # No key at all (Nk = 0) is legal and needs no descriptor: every row is empty, through the Triton kernels.
-    empty = LaunchContext(q, k[:, :, :0], v[:, :, :0], 0.1, True, None)
-    assert not empty.hopper_forward and not empty.kv_descriptors and empty.hopper_reasons("dkdv", do)
+    empty = _prepared(q, k[:, :, :0], v[:, :, :0], 0.1, True)
+    assert empty.gluon_reasons(forward) and not empty.kv_descriptors and empty.gluon_reasons(dkdv, do)
     be = attnzoo.get("triton_2kernel")
     o, lse = be.forward(q, k[:, :, :0], v[:, :, :0], causal=True)
     assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
@@ -326,7 +336,7 @@ def test_atomic_run_to_run_difference_within_tolerance(delta):
     """Atomic dK/dV sums in a varying order: report how far two runs differ; both must meet the oracle rule."""
     dtype = torch.float16
     q, k, v, do, _ = _make(1, 8, 2, 2048, 2048, 128, dtype, None, seed=2)
-    be = variant(delta)
+    be = attnzoo.get("triton_atomic", delta=delta)
     runs = [_run(be, q, k, v, do, True, None) for _ in range(2)]
     diffs = {n: float((a.double() - b.double()).abs().max()) for n, a, b in zip(NAMES, *runs, strict=True)}
     _report(f"[atomic {delta}] max |run1 - run2|: " + " ".join(f"{n}={d:.2e}" for n, d in diffs.items()))
@@ -374,12 +384,16 @@ def test_tf32_when_allowed():
 
 
 @pytest.mark.parametrize("name", TRITON)
-def test_autotuned_results_are_correct(name, monkeypatch):
-    """A fresh autotuning key: the tuner runs every candidate (accumulating into the atomic buffers) first."""
-    monkeypatch.setenv("ATTNZOO_AUTOTUNE", "1")
+def test_autotuned_results_are_correct(name, monkeypatch, tmp_path):
+    """A key timed afresh: the tuner runs every candidate (accumulating into the atomic buffers) first, stores the
+    winners on disk, and the results are right."""
+    monkeypatch.setenv("ATTNZOO_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "AUTOTUNER", tuning.Autotuner())
     q, k, v, do, sl = _make(2, 4, 1, 700, 900, 96, torch.float16, [900, 450], seed=8)
-    outputs = _run(attnzoo.get(name), q, k, v, do, True, sl)
+    with tuning.autotuning():
+        outputs = _run(attnzoo.get(name), q, k, v, do, True, sl)
     _small_check(outputs, q, k, v, do, True, sl)
+    assert tuning.tuned_report() and list(tmp_path.glob("tuning_*.json"))
 
 
 @pytest.mark.parametrize("name", TRITON)

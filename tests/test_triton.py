@@ -15,14 +15,14 @@ import triton
 
 import attnzoo
 from attnzoo import debug, oracle
-from attnzoo.backends import triton_2kernel as t2k_module
-from attnzoo.backends.triton_atomic import TritonAtomic, variant
+from attnzoo.backends import _triton_base as triton_base
+from attnzoo.backends.triton_atomic import TritonAtomic
 from attnzoo.kernels import launch as launch_module
 from attnzoo.kernels import tuning
-from attnzoo.kernels.backward_2kernel import attention_backward_2kernel
 from attnzoo.kernels.forward import attention_forward
-from attnzoo.kernels.launch import LaunchContext, descriptor_loads_possible, int32_addressable
+from attnzoo.kernels.launch import KernelVariant, PreparedCall, descriptor_loads_possible, int32_addressable, prepare
 from attnzoo.kernels.tuning import Autotuner, KernelConfig
+from attnzoo.validation import validate_forward
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON = ("triton_2kernel", "triton_atomic")
@@ -126,14 +126,12 @@ def test_forward_through_tensor_descriptors_equals_pointer_loads(geometry):
     path, so the same bits out, across the masking geometries (tails, causal offsets, seqlens_k, GQA, D < BLOCK_D)."""
     B, H, Hkv, Nq, Nk, D, causal, seqlens = geometry
     q, k, v, _, sl = _inputs(B, H, Hkv, Nq, Nk, D, seqlens)
-    problem = attnzoo.get("triton_2kernel")._validate(q, k, v, causal, None, sl)
+    problem = validate_forward(q, k, v, causal, None, sl)
     pointer_cfg = KernelConfig(16, 16, 1, 1)
-    descriptor_ctx = t2k_module.make_context(
-        q, k, v, problem, sl, forced_config=dataclasses.replace(pointer_cfg, tma=True)
-    )
-    assert descriptor_ctx.kv_descriptors
-    o, lse = attention_forward(descriptor_ctx)
-    o_ptr, lse_ptr = attention_forward(t2k_module.make_context(q, k, v, problem, sl, forced_config=pointer_cfg))
+    descriptor_call = prepare(q, k, v, problem, forced={"forward": dataclasses.replace(pointer_cfg, tma=True)})
+    assert descriptor_call.kv_descriptors
+    o, lse = attention_forward(descriptor_call)
+    o_ptr, lse_ptr = attention_forward(prepare(q, k, v, problem, forced={"forward": pointer_cfg}))
     assert torch.equal(o, o_ptr) and torch.equal(lse, lse_ptr)
 
 
@@ -144,14 +142,13 @@ def test_dq_kernel_through_tensor_descriptors_equals_pointer_loads(geometry):
     B, H, Hkv, Nq, Nk, D, causal, seqlens = geometry
     q, k, v, do, sl = _inputs(B, H, Hkv, Nq, Nk, D, seqlens)
     assert descriptor_loads_possible(k) and descriptor_loads_possible(v)
-    problem = attnzoo.get("triton_2kernel")._validate(q, k, v, causal, None, sl)
     pointer_cfg = KernelConfig(16, 16, 1, 1)
     grads = {}
     for tma in (False, True):
         forced = {"forward": pointer_cfg, "dq": dataclasses.replace(pointer_cfg, tma=tma), "dkdv": pointer_cfg}
-        ctx = t2k_module.make_context(q, k, v, problem, sl, forced_config=forced)
-        o, lse = attention_forward(ctx)
-        grads[tma] = attention_backward_2kernel(ctx, do, o, lse)
+        backend = attnzoo.get("triton_2kernel", configs=forced)
+        o, lse = backend.forward(q, k, v, causal=causal, seqlens_k=sl)
+        grads[tma] = backend.backward(do, q, k, v, o, lse, causal=causal, seqlens_k=sl)
     for with_descriptors, with_pointers in zip(grads[True], grads[False], strict=True):
         assert torch.equal(with_descriptors, with_pointers)
 
@@ -168,30 +165,34 @@ def test_descriptor_loads_need_aligned_rows_and_a_unit_last_stride():
     assert not descriptor_loads_possible(torch.randn(1, 2, 0, 16))  # Nk = 0: a descriptor needs positive sizes
     q, k, v, _, _ = _inputs(1, 2, 2, 8, 8, 16, None)
     k = x[..., :16]
-    problem = attnzoo.get("triton_2kernel")._validate(q, k, v, False, None, None)
-    ctx = t2k_module.make_context(q, k, v, problem, None, forced_config=KernelConfig(16, 16, 1, 1, tma=True))
-    assert not ctx.kv_descriptors
-    o, _ = attention_forward(ctx)
+    forced = {"forward": KernelConfig(16, 16, 1, 1, tma=True)}
+    call = prepare(q, k, v, validate_forward(q, k, v), forced=forced)
+    assert not call.kv_descriptors
+    o, _ = attention_forward(call)
     torch.testing.assert_close(o.double(), oracle.reference(q, k, v).o, atol=1e-5, rtol=1e-5)
 
 
 def test_a_gluon_config_outside_the_hopper_scope_runs_its_triton_twin():
-    """A ``gluon`` config runs a Gluon Hopper kernel only where it can (``hopper_reasons``); here (the interpreter, or
-    float32 on a GPU) the forward and the dK/dV kernel run their Triton kernels with the same tiles: the same bits."""
+    """A ``gluon`` config runs a Gluon Hopper kernel only where it can (``KernelVariant.gluon_scope``); here (the
+    interpreter, or float32 on a GPU) the forward and the dK/dV kernel run their Triton kernels with the same tiles:
+    the same bits."""
     q, k, v, do, sl = _inputs(2, 2, 1, 37, 53, 40, [46, 0])
-    problem = attnzoo.get("triton_2kernel")._validate(q, k, v, True, None, sl)
     triton_cfg = KernelConfig(16, 16, 1, 1)
-    gluon_ctx = t2k_module.make_context(q, k, v, problem, sl, forced_config=dataclasses.replace(triton_cfg, gluon=True))
-    for kernel in ("forward", "dkdv"):
-        reasons = gluon_ctx.hopper_reasons(kernel, do)
-        assert reasons and not gluon_ctx.hopper_forward
+    gluon_cfg = dataclasses.replace(triton_cfg, gluon=True)
+    gluon_call = prepare(
+        q, k, v, validate_forward(q, k, v, True, None, sl), forced=dict.fromkeys(("forward", "dkdv"), gluon_cfg)
+    )
+    for variant in (KernelVariant.FORWARD, KernelVariant.DKDV):
+        reasons = gluon_call.gluon_reasons(variant, do)
         assert any("seqlens_k" in r or "interpreter" in r or "Gluon" in r for r in reasons), reasons
-    twin_ctx = t2k_module.make_context(q, k, v, problem, sl, forced_config=triton_cfg)
-    o, lse = attention_forward(gluon_ctx)
-    o_twin, lse_twin = attention_forward(twin_ctx)
+    assert gluon_call.gluon_reasons(KernelVariant.DQ) == ["dq has no Gluon kernel"]
+    gluon = attnzoo.get("triton_2kernel", configs={"forward": gluon_cfg, "dq": triton_cfg, "dkdv": gluon_cfg})
+    twin = attnzoo.get("triton_2kernel", configs=dict.fromkeys(("forward", "dq", "dkdv"), triton_cfg))
+    o, lse = gluon.forward(q, k, v, causal=True, seqlens_k=sl)
+    o_twin, lse_twin = twin.forward(q, k, v, causal=True, seqlens_k=sl)
     assert torch.equal(o, o_twin) and torch.equal(lse, lse_twin)
-    grads = attention_backward_2kernel(gluon_ctx, do, o, lse)
-    grads_twin = attention_backward_2kernel(twin_ctx, do, o, lse)
+    grads = gluon.backward(do, q, k, v, o, lse, causal=True, seqlens_k=sl)
+    grads_twin = twin.backward(do, q, k, v, o, lse, causal=True, seqlens_k=sl)
     for got, twin in zip(grads, grads_twin, strict=True):
         assert torch.equal(got, twin)
 
@@ -201,24 +202,27 @@ def test_gluon_candidates_are_tuned_only_where_the_gluon_kernel_runs(monkeypatch
     """Outside a Gluon kernel's scope a ``gluon`` candidate would launch the Triton kernel with the same tiles: the
     tuner drops it instead of timing one kernel twice; inside the scope it is a candidate like any other."""
     q, k, v, _, _ = _inputs(1, 2, 2, 64, 64, 64, None, dtype=torch.float16)
-    problem = attnzoo.get("triton_2kernel")._validate(q, k, v, False, None, None)
+    problem = validate_forward(q, k, v)
     seen = []
 
     def fake_choose(key, configs, launch, reset):
         seen.append(list(configs))
         return configs[0]
 
-    monkeypatch.setattr(launch_module.AUTOTUNER, "choose", fake_choose)
-    monkeypatch.setattr(launch_module, "_launched", lambda cfg, launch, reset: True)
+    monkeypatch.setattr(tuning, "AUTOTUNER", Autotuner())
+    monkeypatch.setattr(tuning.AUTOTUNER, "choose", fake_choose)
+    monkeypatch.setattr(tuning, "_launched", lambda cfg, launch, reset: True)
     monkeypatch.setattr(launch_module, "triton_interpreter_active", lambda: False)
     monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 232_448)  # an H100's
+    monkeypatch.setattr(tuning, "_device_identity", lambda index: None)
     for in_scope in (False, True):
-        ctx = t2k_module.make_context(q, k, v, problem, None)
-        launch_module.AUTOTUNER.best.clear()
-        ctx.run(kernel, lambda cfg: None, gluon_in_scope=in_scope)
+        tuning.AUTOTUNER.best.clear()
+        with tuning.autotuning():
+            launch_module.run(
+                prepare(q, k, v, problem), KernelVariant(kernel), lambda cfg: None, gluon_in_scope=in_scope
+            )
     assert seen[0] and not any(c.gluon for c in seen[0])
     assert any(c.gluon for c in seen[1]) and any(not c.gluon for c in seen[1])
-    launch_module.AUTOTUNER.best.clear()
 
 
 def test_tile_counts_rejects_unknown_kernel():
@@ -232,12 +236,13 @@ def test_tile_counts_rejects_unknown_kernel():
 @pytest.mark.parametrize("delta", ["recompute", "preprocess"])
 def test_atomic_delta_variants_match_oracle(delta):
     q, k, v, do, sl = _inputs(2, 4, 2, 45, 38, 24, [38, 11], seed=3)
-    _check_all(variant(delta), q, k, v, do, True, sl)
+    _check_all(attnzoo.get("triton_atomic", delta=delta), q, k, v, do, True, sl)
 
 
 def test_atomic_delta_option():
     assert attnzoo.get("triton_atomic").delta == "preprocess"
     assert TritonAtomic(delta="recompute").delta == "recompute"
+    assert attnzoo.get("triton_atomic", delta="recompute").delta == "recompute"
     assert not attnzoo.get("triton_atomic").capabilities.deterministic
     assert attnzoo.get("triton_2kernel").capabilities.deterministic
     with pytest.raises(ValueError, match="delta"):
@@ -297,7 +302,7 @@ def test_support_declarations(monkeypatch):
     be = attnzoo.get("triton_2kernel")
     q = torch.randn(1, 1, 16, 16)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert t2k_module.INTERPRETER_REASON in be.not_supported_reasons(q, q, q)
+    assert triton_base.INTERPRETER_REASON in be.not_supported_reasons(q, q, q)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert be.not_supported_reasons(q, q, q) == []
     reasons = be.not_supported_reasons(q.bfloat16(), q.bfloat16(), q.bfloat16())
@@ -325,18 +330,18 @@ def test_autotuner_resets_accumulators_before_every_launch(monkeypatch):
 
     monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
     monkeypatch.setattr(tuning, "AUTOTUNER", Autotuner())
-    monkeypatch.setattr("attnzoo.kernels.launch.AUTOTUNER", tuning.AUTOTUNER)
-    monkeypatch.setattr("attnzoo.kernels.launch.triton_interpreter_active", lambda: False)
+    monkeypatch.setattr(tuning, "_device_identity", lambda index: None)
+    monkeypatch.setattr(launch_module, "triton_interpreter_active", lambda: False)
     configs = [KernelConfig(64, 64, 4, 2), KernelConfig(32, 64, 4, 2)]
-    monkeypatch.setattr("attnzoo.kernels.launch.candidates", lambda *a: configs)
+    monkeypatch.setattr(tuning, "candidates", lambda *a: configs)
     monkeypatch.setenv("ATTNZOO_AUTOTUNE", "1")
     x = torch.randn(1, 1, 16, 16)
-    ctx = LaunchContext(x, x, x, scale=1.0, causal=False, seqlens_k=None)
-    chosen = ctx.run("atomic", launch, reset=out.zero_)
+    call = prepare(x, x, x, validate_forward(x, x, x, scale=1.0))
+    chosen = launch_module.run(call, KernelVariant.ATOMIC_PREPROCESS, launch, reset=out.zero_)
     assert chosen == configs[1] and len(launches) > 2
     assert torch.equal(out, torch.full((4,), 32.0)), "buffers kept sums from tuning trials"
     # Cached afterwards: one launch, again from zero.
-    ctx.run("atomic", launch, reset=out.zero_)
+    launch_module.run(call, KernelVariant.ATOMIC_PREPROCESS, launch, reset=out.zero_)
     assert torch.equal(out, torch.full((4,), 32.0))
 
 
@@ -355,7 +360,7 @@ def test_autotuner_describes_its_choice_fastest_first(monkeypatch):
     key = ("dkdv", 128, torch.float16, True, False, 4096, 4096, "ieee", 0)
     assert tuner.choose(key, configs, calls.append, None) == KernelConfig(32, 64, 4, 2)
     assert tuner.describe(key) == (
-        "dkdv BLOCK_D=128 float16 causal=True seqlens=False Nq<=4096 Nk<=4096: "
+        "dkdv BLOCK_D=128 float16 causal=True seqlens=False Nq<=4096 Nk<=4096 dot=ieee: "
         "32x64 w4 s2 1.00 [1.00 1.00], 16x16 w1 s1 1.50 [1.50 1.50], 64x64 w4 s2 2.00 [2.00]"
     )
 
@@ -466,26 +471,28 @@ def test_only_views_that_could_wrap_int32_are_copied():
     assert copied is not wide and copied.is_contiguous() and torch.equal(copied, wide)
 
 
-def _gpu_launch_path_on_the_cpu(monkeypatch) -> LaunchContext:
-    """A launch context whose ``run`` takes the GPU path (tuned configs, fallbacks) with a fresh autotuner, tuning
-    off (the first fitting candidate is the choice) and no shared-memory pruning."""
+def _gpu_launch_path_on_the_cpu(monkeypatch) -> PreparedCall:
+    """A prepared call whose ``launch.run`` takes the GPU path (chosen configs, fallbacks) with a fresh tuner, no
+    stored winners, tuning off (the heuristic pick is the choice: here the first candidate, 128x64 w8 s3, as neither
+    Gluon nor TMA is in scope) and no shared-memory pruning."""
     monkeypatch.setenv("ATTNZOO_AUTOTUNE", "0")
     monkeypatch.setattr(launch_module, "triton_interpreter_active", lambda: False)
     monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 10**9)
+    monkeypatch.setattr(tuning, "_device_identity", lambda index: None)
     monkeypatch.setattr(tuning, "AUTOTUNER", Autotuner())
-    monkeypatch.setattr(launch_module, "AUTOTUNER", tuning.AUTOTUNER)
     q = torch.randn(1, 1, 8, 16)
-    return LaunchContext(q=q, k=q, v=q, scale=0.25, causal=False, seqlens_k=None)
+    return prepare(q, q, q, validate_forward(q, q, q, scale=0.25))
 
 
 def test_autotuned_launch_falls_back_when_a_config_does_not_fit(monkeypatch):
-    """The GPU path of LaunchContext.run, driven on the CPU with a fake launch: autotuning off, the first
-    candidate runs out of shared memory, the next one runs, and every launch is preceded by a reset."""
+    """The GPU path of launch.run, driven on the CPU with a fake launch: autotuning off, the heuristic pick runs
+    out of shared memory, the next candidate runs, and every launch is preceded by a reset."""
     from triton.runtime.errors import OutOfResources
 
-    ctx = _gpu_launch_path_on_the_cpu(monkeypatch)
+    call = _gpu_launch_path_on_the_cpu(monkeypatch)
     events = []
     first = tuning.CANDIDATES["forward"][0]
+    assert tuning.heuristic_pick("forward", call.block_d, tuning.CANDIDATES["forward"][:7]) == first
     too_big = {first}
 
     def launch(cfg):
@@ -493,31 +500,34 @@ def test_autotuned_launch_falls_back_when_a_config_does_not_fit(monkeypatch):
         if cfg in too_big:
             raise OutOfResources(1, 0, "shared memory")
 
-    used = ctx.run("forward", launch, reset=lambda: events.append(("reset", None)))
-    assert used == tuning.CANDIDATES["forward"][1] and ctx.configs["forward"] == used
+    def run(reset=None):
+        return launch_module.run(call, KernelVariant.FORWARD, launch, reset=reset)
+
+    used = run(reset=lambda: events.append(("reset", None)))
+    assert used == tuning.CANDIDATES["forward"][1]
     assert events == [("reset", None), ("launch", first), ("reset", None), ("launch", used)]
     events.clear()
-    assert ctx.run("forward", launch, reset=lambda: events.append(("reset", None))) == used  # remembered
+    assert run(reset=lambda: events.append(("reset", None))) == used  # remembered
     assert events == [("reset", None), ("launch", used)]
     # A later call of the same key that no longer fits the remembered config (another specialisation): the next
     # candidate that fits runs, and is remembered.
     too_big.add(used)
     after = tuning.CANDIDATES["forward"][2]
-    assert ctx.run("forward", launch) == after and list(tuning.AUTOTUNER.best.values()) == [after]
+    assert run() == after and list(tuning.AUTOTUNER.best.values()) == [after]
 
 
 def test_a_key_where_no_config_fits_fails_the_same_way_every_time(monkeypatch):
     """When no candidate can launch, every call raises the same RuntimeError: no config is remembered as tuned."""
     from triton.runtime.errors import OutOfResources
 
-    ctx = _gpu_launch_path_on_the_cpu(monkeypatch)
+    call = _gpu_launch_path_on_the_cpu(monkeypatch)
 
     def launch(cfg):
         raise OutOfResources(1, 0, "shared memory")
 
     for _ in range(2):
         with pytest.raises(RuntimeError, match="no launch configuration of forward fits"):
-            ctx.run("forward", launch)
+            launch_module.run(call, KernelVariant.FORWARD, launch)
     assert tuning.AUTOTUNER.best == {}
 
 

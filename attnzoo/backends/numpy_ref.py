@@ -166,11 +166,11 @@ class NumpyRef(Backend):
     def __init__(self, block_m: int = 64, block_n: int = 64):
         self.block_m, self.block_n = block_m, block_n
 
-    def _forward(self, q, k, v, problem, seqlens_k):
-        o, lse = forward(q, k, v, problem, seqlens_k, self.block_m, self.block_n)
+    def _forward(self, q, k, v, problem):
+        o, lse = forward(q, k, v, problem, problem.seqlens_k, self.block_m, self.block_n)
         lse_out = lse if problem.is_numpy else torch.from_numpy(lse)
         return _like_input(o, problem, q), lse_out
 
-    def _backward(self, do, q, k, v, o, lse, problem, seqlens_k):
-        grads = backward(do, q, k, v, o, lse, problem, seqlens_k, self.block_m, self.block_n)
+    def _backward(self, do, q, k, v, o, lse, problem):
+        grads = backward(do, q, k, v, o, lse, problem, problem.seqlens_k, self.block_m, self.block_n)
         return tuple(_like_input(g, problem, q) for g in grads)

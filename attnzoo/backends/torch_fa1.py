@@ -90,8 +90,10 @@ class TorchFA1(Backend):
     def __init__(self, block_m: int = 64, block_n: int = 64):
         self.block_m, self.block_n = block_m, block_n
 
-    def _forward(self, q, k, v, problem, seqlens_k):
-        return forward(q, k, v, TorchTiles(problem, seqlens_k, self.block_m, self.block_n, q.device))
+    def _forward(self, q, k, v, problem):
+        return forward(q, k, v, TorchTiles(problem, problem.seqlens_k, self.block_m, self.block_n, q.device))
 
-    def _backward(self, do, q, k, v, o, lse, problem, seqlens_k):
-        return backward(do, q, k, v, o, lse, TorchTiles(problem, seqlens_k, self.block_m, self.block_n, q.device))
+    def _backward(self, do, q, k, v, o, lse, problem):
+        return backward(
+            do, q, k, v, o, lse, TorchTiles(problem, problem.seqlens_k, self.block_m, self.block_n, q.device)
+        )

@@ -1,7 +1,7 @@
 """``triton_2kernel``: Triton FA2 forward; backward without atomics (a Q-stationary dQ kernel that also computes
-Delta, then a K/V-stationary dK/dV kernel).  On Hopper the autotuner may pick Gluon versions of the forward and of the
+Delta, then a K/V-stationary dK/dV kernel).  On Hopper the tuner may pick Gluon versions of the forward and of the
 dK/dV kernel (``kernels/forward_gluon.py``, ``kernels/backward_gluon.py``).  The kernels live in
-:mod:`attnzoo.kernels`.
+:mod:`attnzoo.kernels`; what both Triton backends share in :mod:`._triton_base`.
 
 On CPU tensors the kernels run through the Triton interpreter (``TRITON_INTERPRET=1``, set before Triton is
 imported); that path is for tests only and is never picked by ``backend="auto"``.
@@ -9,64 +9,19 @@ imported); that path is for tests only and is never picked by ``backend="auto"``
 
 from __future__ import annotations
 
-import torch
-
-from ..backend import Backend, Capabilities, register, triton_interpreter_active
-from ..kernels.backward_2kernel import attention_backward_2kernel
-from ..kernels.forward import attention_forward
-from ..kernels.launch import LaunchContext
-from ..kernels.tuning import KernelConfig
-from ..validation import Problem
-
-TRITON_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
-TRITON_MAX_HEAD_DIM = 256
-
-INTERPRETER_REASON = "CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)"
-INTERPRETER_BF16_REASON = (
-    "bfloat16 is not supported on the CPU: under the Triton interpreter (triton 3.6-3.9) tl.dot on bfloat16 "
-    "computes on the raw uint16 bits (interpreter bug); bfloat16 is checked on the GPU"
-)
-
-
-def triton_extra_reasons(problem: Problem) -> list[str]:
-    """CPU inputs run only through the Triton interpreter, and not in bfloat16 there."""
-    reasons = []
-    if problem.device == "cpu":
-        if not triton_interpreter_active():
-            reasons.append(INTERPRETER_REASON)
-        if problem.dtype == torch.bfloat16:
-            reasons.append(INTERPRETER_BF16_REASON)
-    return reasons
-
-
-def make_context(
-    q, k, v, problem: Problem, seqlens_k, debug: bool = False, forced_config: KernelConfig | None = None
-) -> LaunchContext:
-    """The launch context of one validated call (inputs are passed with their strides, never copied)."""
-    return LaunchContext(
-        q=q,
-        k=k,
-        v=v,
-        scale=problem.scale,
-        causal=problem.causal,
-        seqlens_k=seqlens_k,
-        debug=debug,
-        forced_config=forced_config,
-    )
-
-
-class TritonBackend(Backend):
-    """The forward and the support rules shared by the Triton backends; subclasses add the backward."""
-
-    def _forward(self, q, k, v, problem, seqlens_k):
-        return attention_forward(make_context(q, k, v, problem, seqlens_k))
+from ..backend import Capabilities, register
+from ._triton_base import TRITON_DTYPES, TRITON_MAX_HEAD_DIM, TritonBackend, kernels, triton_extra_reasons
 
 
 @register
 class Triton2Kernel(TritonBackend):
-    """Triton FA2 forward; deterministic backward in two kernels (dK/dV stationary on K/V, dQ stationary on Q)."""
+    """Triton FA2 forward; deterministic backward in two kernels (dK/dV stationary on K/V, dQ stationary on Q).
+
+    ``configs``: kernel ("forward", "dq", "dkdv") -> the config always used for it (``attnzoo.get(name, configs=...)``).
+    """
 
     name = "triton_2kernel"
+    kernel_names = ("forward", "dq", "dkdv")
     capabilities = Capabilities(
         summary=(
             "Triton FA2 forward; backward without atomics: Q-stationary dQ (and Delta), K/V-stationary dK/dV; on "
@@ -80,5 +35,5 @@ class Triton2Kernel(TritonBackend):
         extra_reasons=triton_extra_reasons,
     )
 
-    def _backward(self, do, q, k, v, o, lse, problem, seqlens_k):
-        return attention_backward_2kernel(make_context(q, k, v, problem, seqlens_k), do, o, lse)
+    def backward_prepared(self, call, do, o, lse):
+        return kernels().backward_2kernel(call, do, o, lse)

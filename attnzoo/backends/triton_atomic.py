@@ -3,28 +3,36 @@ contributions are added with ``tl.atomic_add`` into float32 buffers.
 
 The row term ``D_i = rowsum(dP_i * P_i)`` of the backward has two variants, chosen per instance:
 
-- ``TritonAtomic(delta="preprocess")`` (the registered default): ``rowsum(dO * O)`` from a preprocess kernel;
-- ``TritonAtomic(delta="recompute")``: the original design, a second pass over K/V inside the kernel.
+- ``delta="preprocess"`` (the registered default): ``rowsum(dO * O)`` from a preprocess kernel;
+- ``delta="recompute"``: the original design, a second pass over K/V inside the kernel.
 
-``attnzoo.get("triton_atomic")`` is the default instance; the benchmark builds the other one with
-:func:`variant` (or the constructor).  The order of the atomic additions changes from run to run, so dK/dV
-are not bitwise reproducible (``deterministic=False``).
+``attnzoo.get("triton_atomic")`` is the default instance; ``attnzoo.get("triton_atomic", delta="recompute")`` the
+other one.  The order of the atomic additions changes from run to run, so dK/dV are not bitwise reproducible
+(``deterministic=False``).
 """
 
 from __future__ import annotations
 
-from ..backend import Capabilities, register
-from ..kernels.backward_atomic import DELTA_MODES, attention_backward_atomic
-from .triton_2kernel import TRITON_DTYPES, TRITON_MAX_HEAD_DIM, TritonBackend, make_context, triton_extra_reasons
+from collections.abc import Mapping
 
+from ..backend import Capabilities, register
+from ..kernels.tuning import KernelConfig
+from ._triton_base import TRITON_DTYPES, TRITON_MAX_HEAD_DIM, TritonBackend, kernels, triton_extra_reasons
+
+DELTA_MODES = ("recompute", "preprocess")
 DEFAULT_DELTA = "preprocess"
 
 
 @register
 class TritonAtomic(TritonBackend):
-    """Triton FA2 forward; Q-stationary backward with atomic dK/dV (``delta``: "preprocess" or "recompute")."""
+    """Triton FA2 forward; Q-stationary backward with atomic dK/dV.
+
+    ``delta``: "preprocess" or "recompute" (how D_i is obtained); ``configs``: kernel ("forward", "atomic") -> the
+    config always used for it.
+    """
 
     name = "triton_atomic"
+    kernel_names = ("forward", "atomic")
     capabilities = Capabilities(
         summary=(
             "Triton FA2 forward (on Hopper also the Gluon one); one Q-stationary backward kernel, dK/dV added "
@@ -38,18 +46,11 @@ class TritonAtomic(TritonBackend):
         extra_reasons=triton_extra_reasons,
     )
 
-    def __init__(self, delta: str = DEFAULT_DELTA) -> None:
+    def __init__(self, delta: str = DEFAULT_DELTA, configs: Mapping[str, KernelConfig | str] | None = None) -> None:
         if delta not in DELTA_MODES:
             raise ValueError(f"delta must be one of {DELTA_MODES}, got {delta!r}")
+        super().__init__(configs)
         self.delta = delta
 
-    def _backward(self, do, q, k, v, o, lse, problem, seqlens_k):
-        return attention_backward_atomic(make_context(q, k, v, problem, seqlens_k), do, o, lse, self.delta)
-
-    def __repr__(self) -> str:
-        return f"<attnzoo backend {self.name} delta={self.delta}>"
-
-
-def variant(delta: str) -> TritonAtomic:
-    """A ``triton_atomic`` instance with the given D_i variant ("preprocess" or "recompute"), not registered."""
-    return TritonAtomic(delta=delta)
+    def backward_prepared(self, call, do, o, lse):
+        return kernels().backward_atomic(call, do, o, lse, self.delta)

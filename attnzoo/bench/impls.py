@@ -124,17 +124,11 @@ class BackendImpl(Impl):
         self.name = name
         self.backend_name = backend_name or name
         self.options = options or {}
-        self._variant = None
 
     @property
     def backend(self):
-        """The registered instance, or a fresh instance of its class built with this variant's options."""
-        registered = attnzoo.get(self.backend_name)
-        if not self.options:
-            return registered
-        if self._variant is None:
-            self._variant = type(registered)(**self.options)
-        return self._variant
+        """The registered instance, or the instance built with this variant's options."""
+        return attnzoo.get(self.backend_name, **self.options)
 
     def forward_code(self) -> object | None:
         """The backend class's forward: triton_2kernel and triton_atomic (and its variant) share one kernel."""

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..kernels.tuning import AUTOTUNER
+from ..kernels import tuning
 from . import impls as impl_registry
 from . import timing
 from .machine import machine_info, machine_tag
@@ -356,10 +356,11 @@ def run_grid(cases: list[Case], args, device: torch.device, out: Path | None = N
         elif group in too_slow:
             result = {"status": f"skipped: too slow at N={too_slow[group]} (--max-call-s)"}
         else:
-            tuned_before = set(AUTOTUNER.timings)
+            tuned_before = set(tuning.tuned_report())
             result = run_case(case, args, device)
-            for key in AUTOTUNER.timings.keys() - tuned_before:  # what the autotuner chose, for the log
-                print(f"[tuned] {AUTOTUNER.describe(key)}", file=sys.stderr)
+            for key, line in tuning.tuned_report().items():  # what the tuner chose, for the log
+                if key not in tuned_before:
+                    print(f"[tuned] {line}", file=sys.stderr)
             if result["status"].startswith("skipped: too slow"):
                 too_slow[group] = case.N
         rows.append({**machine, **case.row(), **result})

@@ -4,14 +4,14 @@ With ``P = exp(S - lse)`` recomputed per tile and ``Delta_i = rowsum(dO_i * O_i)
 
     dV = P^T dO,   dP = dO V^T,   dS = P * (dP - Delta),   dQ = scale * dS K,   dK = scale * dS^T Q
 
-Kernel B runs first: it keeps one Q block (with its dO rows) resident, computes and stores Delta for its rows
+``dq_kernel`` runs first: it keeps one Q block (with its dO rows) resident, computes and stores Delta for its rows
 from one extra load of O, stores lse in base 2 beside it, and loops over the K/V blocks, writing dQ once.
-Kernel A keeps one K/V block resident and loops over the Q blocks (and, for grouped-query attention, over the
-query heads of the group), reading the stored lse2 and Delta, so each dK/dV row is summed in one program and
-written once.  No atomics: results are bitwise reproducible.  On Hopper the autotuner may run kernel A's Gluon
+``dkdv_kernel`` then keeps one K/V block resident and loops over the Q blocks (and, for grouped-query attention, over
+the query heads of the group), reading the stored lse2 and Delta, so each dK/dV row is summed in one program and
+written once.  No atomics: results are bitwise reproducible.  On Hopper the tuner may run the dK/dV kernel's Gluon
 version instead (``backward_gluon.py``, ``gluon`` configs), which sums in the same order: the same bits.
 
-FLOPs: kernel A 4 matrix products (S, dP, dV, dK) and kernel B 3 (S, dP, dQ), each 2*Nq*Nk*D per head:
+FLOPs: the dK/dV kernel 4 matrix products (S, dP, dV, dK) and the dQ kernel 3 (S, dP, dQ), each 2*Nq*Nk*D per head:
 14*B*H*Nq*Nk*D in total, i.e. 3.5x the forward (the usual 2.5x count excludes the recomputation of S and dP
 in the second kernel).
 """
@@ -43,7 +43,7 @@ from .common import (
     tile_pointers,
 )
 from .gluon_hopper import record_compile_failure
-from .launch import LaunchContext, grid_1d, int32_addressable, num_blocks
+from .launch import KernelVariant, PreparedCall, grid_1d, int32_addressable, num_blocks, run
 
 
 @triton.jit
@@ -177,12 +177,12 @@ def dkdv_kernel(
     DOT_PRECISION: tl.constexpr,
     DEBUG: tl.constexpr,
 ):
-    """Kernel A: dK, dV of one K/V block of one (batch, kv head); grid: 1-d, num_n_blocks * B * Hkv programs.
+    """dK, dV of one K/V block of one (batch, kv head); grid: 1-d, num_n_blocks * B * Hkv programs.
 
     For grouped-query attention the program also loops over the ``group_size`` query heads that read this
     K/V head, summing their contributions in registers.  dk and dv share strides (both allocated contiguous).
     Q_TAIL: ``seqlen_q`` is not a multiple of BLOCK_M (the streamed Q-side loads need row predicates).
-    MASK_STAGE: some tile may need the mask (``LaunchContext.mask_stage_needed``); without it the masked loop is not
+    MASK_STAGE: some tile may need the mask (``PreparedCall.mask_stage_needed``); without it the masked loop is not
     compiled at all.
     DEBUG writes (visited, skipped) Q tile counts, summed over the group.
     """
@@ -376,9 +376,9 @@ def dq_kernel(
     DOT_PRECISION: tl.constexpr,
     DEBUG: tl.constexpr,
 ):
-    """Kernel B: dQ of one Q block of one (batch, head); grid: 1-d, num_m_blocks * B * H programs.
+    """dQ (and Delta, lse2) of one Q block of one (batch, head); grid: 1-d, num_m_blocks * B * H programs.
 
-    MASK_STAGE: some tile may need the mask (``LaunchContext.mask_stage_needed``).
+    MASK_STAGE: some tile may need the mask (``PreparedCall.mask_stage_needed``).
     USE_TMA: the unmasked stage loads K/V through the descriptors ``k_desc``/``v_desc`` (box ``[BLOCK_N, BLOCK_D]``).
     """
     pid = tl.program_id(0)
@@ -447,57 +447,60 @@ def dq_kernel(
 
 
 def attention_backward_2kernel(
-    ctx: LaunchContext, do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor
+    call: PreparedCall, do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq ``[B, H, Nq, D]``, dk, dv ``[B, Hkv, Nk, D]`` (dtype of q; dk/dv summed over each head group)."""
-    q, k, v = ctx.q, ctx.k, ctx.v
+    q, k, v = call.q, call.k, call.v
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     lse = lse.contiguous()
     do, o = int32_addressable(do), int32_addressable(o)
     # Per-row statistics for the dK/dV kernel, written by the dQ kernel: lse in base 2, and Delta.
-    lse2 = ctx.new_output((B, H, Nq), torch.float32)
-    delta = ctx.new_output((B, H, Nq), torch.float32)
-    dq = ctx.new_output((B, H, Nq, D), q.dtype)
-    dk = ctx.new_output((B, Hkv, Nk, D), q.dtype)
-    dv = ctx.new_output((B, Hkv, Nk, D), q.dtype)
-    qk_scale = ctx.scale * LOG2E
-    hopper_dkdv = not ctx.hopper_reasons("dkdv", do)
+    lse2 = call.new_output((B, H, Nq), torch.float32)
+    delta = call.new_output((B, H, Nq), torch.float32)
+    dq = call.new_output((B, H, Nq, D), q.dtype)
+    dk = call.new_output((B, Hkv, Nk, D), q.dtype)
+    dv = call.new_output((B, Hkv, Nk, D), q.dtype)
+    qk_scale = call.scale * LOG2E
+    hopper_dkdv = not call.gluon_reasons(KernelVariant.DKDV, do)
 
     def launch_dkdv(cfg) -> None:
         if cfg.gluon and hopper_dkdv:
             try:
                 attention_dkdv_hopper(
-                    q, k, v, do, lse2, delta, dk, dv, ctx.scale, ctx.causal,
+                    q, k, v, do, lse2, delta, dk, dv, call.scale, call.causal,
                     cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
                 )  # fmt: skip
                 return
             except CompilationError as error:  # Gluon's API drifted (frontend error): the Triton kernel's tiles serve
                 record_compile_failure(error)
         num_n_blocks = num_blocks(Nk, cfg.block_n)
-        dkdv_kernel[grid_1d(num_n_blocks * B * Hkv)](
-            q, k, v, do, lse2, delta, dk, dv, ctx.seqlens, ctx.counts_for(num_n_blocks * B * Hkv),
+        programs = num_n_blocks * B * Hkv
+        dkdv_kernel[grid_1d(programs)](
+            q, k, v, do, lse2, delta, dk, dv, call.seqlens, call.counts_for(KernelVariant.DKDV, programs),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
-            H, Hkv, ctx.group_size, Nq, Nk, num_n_blocks, ctx.scale, qk_scale,
-            head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, Q_TAIL=Nq % cfg.block_m != 0,
-            MASK_STAGE=ctx.mask_stage_needed(cfg.block_n),
-            DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            H, Hkv, call.group_size, Nq, Nk, num_n_blocks, call.scale, qk_scale,
+            head_dim=D, EVEN_D=call.even_d, BLOCK_D=call.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            CAUSAL=call.causal, HAS_SEQLENS=call.has_seqlens, Q_TAIL=Nq % cfg.block_m != 0,
+            MASK_STAGE=call.mask_stage_needed(cfg.block_n),
+            DOT_PRECISION=call.dot_precision, DEBUG=call.debug, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
     def launch_dq(cfg) -> None:
         num_m_blocks = num_blocks(Nq, cfg.block_m)
-        use_tma, k_desc, v_desc = ctx.kv_tile_descriptors(cfg)
-        dq_kernel[grid_1d(num_m_blocks * B * H)](
-            q, k, v, k_desc, v_desc, o, do, lse, lse2, delta, dq, ctx.seqlens, ctx.counts_for(num_m_blocks * B * H),
+        use_tma, k_desc, v_desc = call.kv_tile_descriptors(cfg)
+        programs = num_m_blocks * B * H
+        dq_kernel[grid_1d(programs)](
+            q, k, v, k_desc, v_desc, o, do, lse, lse2, delta, dq, call.seqlens,
+            call.counts_for(KernelVariant.DQ, programs),
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(),
-            H, ctx.group_size, Nq, Nk, num_m_blocks, ctx.scale, qk_scale,
-            head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, MASK_STAGE=ctx.mask_stage_needed(cfg.block_n),
-            USE_TMA=use_tma, DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug,
+            H, call.group_size, Nq, Nk, num_m_blocks, call.scale, qk_scale,
+            head_dim=D, EVEN_D=call.even_d, BLOCK_D=call.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            CAUSAL=call.causal, HAS_SEQLENS=call.has_seqlens, MASK_STAGE=call.mask_stage_needed(cfg.block_n),
+            USE_TMA=use_tma, DOT_PRECISION=call.dot_precision, DEBUG=call.debug,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
-    ctx.run("dq", launch_dq)  # first: it writes lse2 and Delta
-    ctx.run("dkdv", launch_dkdv, gluon_in_scope=hopper_dkdv)
+    run(call, KernelVariant.DQ, launch_dq)  # first: it writes lse2 and Delta
+    run(call, KernelVariant.DKDV, launch_dkdv, gluon_in_scope=hopper_dkdv)
     return dq, dk, dv

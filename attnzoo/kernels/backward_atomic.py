@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import triton_interpreter_active
+from .._env import triton_interpreter_active
 from .common import (
     LOG2E,
     as_int64,
@@ -36,7 +36,7 @@ from .common import (
     tile_in_bounds,
     tile_pointers,
 )
-from .launch import LaunchContext, grid_1d, int32_addressable, num_blocks
+from .launch import KernelVariant, PreparedCall, _placeholder, grid_1d, int32_addressable, num_blocks, run
 from .tuning import INTERPRETER_CONFIG
 
 DELTA_MODES = ("recompute", "preprocess")
@@ -88,18 +88,18 @@ def delta_preprocess_kernel(
     tl.store(delta_ptr + as_int64(bh) * seqlen_q + rows, delta, mask=rows < seqlen_q)
 
 
-def compute_delta(ctx: LaunchContext, o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+def compute_delta(call: PreparedCall, o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     """``Delta = rowsum(dO * O)`` -> float32 ``[B, H, Nq]`` (one pass over O and dO instead of over K/V).
 
     (The two-kernel backward computes the same sum inside its dQ kernel instead.)
     """
     B, H, Nq, D = o.shape
-    delta = ctx.new_output((B, H, Nq), torch.float32)
+    delta = call.new_output((B, H, Nq), torch.float32)
     block_m = INTERPRETER_CONFIG.block_m if triton_interpreter_active() else PREPROCESS_BLOCK_M
     num_m_blocks = num_blocks(Nq, block_m)
     delta_preprocess_kernel[grid_1d(num_m_blocks * B * H)](
         o, do, delta, *o.stride(), *do.stride(), H, Nq, num_m_blocks,
-        head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=block_m, num_warps=4,
+        head_dim=D, EVEN_D=call.even_d, BLOCK_D=call.block_d, BLOCK_M=block_m, num_warps=4,
     )  # fmt: skip
     return delta
 
@@ -276,7 +276,7 @@ def atomic_backward_kernel(
 ):
     """dQ of one Q block and its dK/dV contributions; grid: 1-d, num_m_blocks * B * H programs.
 
-    MASK_STAGE: some tile may need the mask (``LaunchContext.mask_stage_needed``); without it the masked loops
+    MASK_STAGE: some tile may need the mask (``PreparedCall.mask_stage_needed``); without it the masked loops
     are not compiled.  DEBUG writes (visited, skipped) K/V tile counts of the main (atomic) pass.
     """
     pid = tl.program_id(0)
@@ -354,7 +354,7 @@ def atomic_backward_kernel(
 
 
 def attention_backward_atomic(
-    ctx: LaunchContext, do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, delta_mode: str
+    call: PreparedCall, do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, delta_mode: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq ``[B, H, Nq, D]``, dk, dv ``[B, Hkv, Nk, D]`` (dtype of q) with atomic dK/dV accumulation.
 
@@ -362,14 +362,15 @@ def attention_backward_atomic(
     """
     if delta_mode not in DELTA_MODES:
         raise ValueError(f"delta must be one of {DELTA_MODES}, got {delta_mode!r}")
-    q, k, v = ctx.q, ctx.k, ctx.v
+    q, k, v = call.q, call.k, call.v
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     lse = lse.contiguous()
     do, o = int32_addressable(do), int32_addressable(o)
     recompute = delta_mode == "recompute"
-    delta = ctx._dummy_counts if recompute else compute_delta(ctx, o, do)  # not read when recomputing
-    dq = ctx.new_output((B, H, Nq, D), q.dtype)
+    variant = KernelVariant.ATOMIC_RECOMPUTE if recompute else KernelVariant.ATOMIC_PREPROCESS
+    delta = _placeholder(q.device) if recompute else compute_delta(call, o, do)  # not read when recomputing
+    dq = call.new_output((B, H, Nq, D), q.dtype)
     # float32 sums; zeroed before every launch (also before each autotuning trial) by reset().
     dk_acc = torch.empty((B, Hkv, Nk, D), dtype=torch.float32, device=q.device)
     dv_acc = torch.empty_like(dk_acc)
@@ -380,15 +381,16 @@ def attention_backward_atomic(
 
     def launch(cfg) -> None:
         num_m_blocks = num_blocks(Nq, cfg.block_m)
-        atomic_backward_kernel[grid_1d(num_m_blocks * B * H)](
-            q, k, v, do, lse, delta, dq, dk_acc, dv_acc, ctx.seqlens, ctx.counts_for(num_m_blocks * B * H),
+        programs = num_m_blocks * B * H
+        atomic_backward_kernel[grid_1d(programs)](
+            q, k, v, do, lse, delta, dq, dk_acc, dv_acc, call.seqlens, call.counts_for(variant, programs),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk_acc.stride()[:3],
-            H, ctx.group_size, Nq, Nk, num_m_blocks, ctx.scale, ctx.scale * LOG2E,
-            head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, DELTA_RECOMPUTE=recompute,
-            MASK_STAGE=ctx.mask_stage_needed(cfg.block_n), DOT_PRECISION=ctx.dot_precision, DEBUG=ctx.debug,
+            H, call.group_size, Nq, Nk, num_m_blocks, call.scale, call.scale * LOG2E,
+            head_dim=D, EVEN_D=call.even_d, BLOCK_D=call.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            CAUSAL=call.causal, HAS_SEQLENS=call.has_seqlens, DELTA_RECOMPUTE=recompute,
+            MASK_STAGE=call.mask_stage_needed(cfg.block_n), DOT_PRECISION=call.dot_precision, DEBUG=call.debug,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
-    ctx.run(f"atomic:{delta_mode}", launch, reset=reset)
+    run(call, variant, launch, reset=reset)
     return dq, dk_acc.to(q.dtype), dv_acc.to(q.dtype)

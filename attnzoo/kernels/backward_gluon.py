@@ -28,8 +28,9 @@ lse2 loads as +inf), and K/V rows past Nk give gradient rows that the TMA store 
 diagonal apply a mask.  On the H100 the whole backward ran 1.02-1.07x faster than with the best Triton dK/dV tile at
 D=128 and 0.84-0.96x at D=64 (fp16; the autotuner chooses; docs/NOTES-kernels.md).
 
-Scope (``LaunchContext.hopper_reasons("dkdv")``): that of the Gluon forward, and dO addressable by TMA.  ``seqlens_k``
-is out of it: K/V rows past ``seqlens_k[b]`` may hold NaN, which ``dP^T`` would carry into dK rows that must be 0.
+Scope (``KernelVariant.DKDV.gluon_scope`` in ``launch.py``): that of the Gluon forward, and dO addressable by TMA.
+``seqlens_k`` is out of it: K/V rows past ``seqlens_k[b]`` may hold NaN, which ``dP^T`` would carry into dK rows that
+must be 0.
 """
 
 from __future__ import annotations
@@ -232,8 +233,8 @@ def attention_dkdv_hopper(
     """Write ``dk``, ``dv`` ``[B, Hkv, Nk, D]`` (contiguous, dtype of q; summed over each head group).
 
     ``q``, ``do`` ``[B, H, Nq, D]``, ``k``/``v`` ``[B, Hkv, Nk, D]``, in the scope that
-    ``LaunchContext.hopper_reasons("dkdv")`` checks; ``lse2`` (lse * log2(e), +inf on empty rows) and ``delta``
-    (rowsum(dO * O)) ``[B, H, Nq]`` float32 contiguous, as the dQ kernel writes them.
+    ``KernelVariant.DKDV.gluon_scope`` (``launch.py``) checks; ``lse2`` (lse * log2(e), +inf on empty rows) and
+    ``delta`` (rowsum(dO * O)) ``[B, H, Nq]`` float32 contiguous, as the dQ kernel writes them.
     """
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]

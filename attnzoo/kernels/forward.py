@@ -32,7 +32,7 @@ from .common import (
 )
 from .forward_gluon import attention_forward_hopper
 from .gluon_hopper import record_compile_failure
-from .launch import LaunchContext, grid_1d, num_blocks
+from .launch import KernelVariant, PreparedCall, grid_1d, num_blocks, run
 
 
 @triton.jit
@@ -71,7 +71,7 @@ def _forward_stage(
     """Stream K/V tiles ``[lo, hi)`` through the online softmax (MASKED: apply the visibility mask).
 
     FOLD_SCALE: fold ``qk_scale`` (then positive) into the softmax's exponent, one FFMA per score
-    (``LaunchContext.fold_scale`` says when).
+    (``PreparedCall.fold_scale`` says when).
     USE_TMA: load K/V through the descriptors ``k_desc``/``v_desc`` (``common.load_kv_tile``); unmasked tiles only.
     """
     local_n = tl.arange(0, BLOCK_N)
@@ -153,7 +153,7 @@ def attention_forward_kernel(
 
     Consecutive programs share a (batch, head), so its K/V stays in L2 across them.  With CAUSAL the block
     order is reversed so that the longest rows (most K/V tiles) start first and the tail of the grid is short.
-    MASK_STAGE: some tile may need the mask (``LaunchContext.mask_stage_needed``); without it the masked loop is not
+    MASK_STAGE: some tile may need the mask (``PreparedCall.mask_stage_needed``); without it the masked loop is not
     compiled.  DEBUG writes (visited, skipped) K/V tile counts of the program to ``counts_ptr``.
     """
     pid = tl.program_id(0)
@@ -213,38 +213,40 @@ def attention_forward_kernel(
         tl.store(counts_ptr + program * 2 + 1, total - visited)
 
 
-def attention_forward(ctx: LaunchContext) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_forward(call: PreparedCall) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward on a prepared call -> ``o`` ``[B, H, Nq, D]`` (dtype of q), ``lse`` ``[B, H, Nq]`` float32.
 
     The autotuner chooses between this module's kernel and, on Hopper, the Gluon kernel of ``forward_gluon.py``
     (``gluon`` configs): the same contract, the softmax overlapped with the matrix products.
     """
-    q, k, v = ctx.q, ctx.k, ctx.v
+    q, k, v = call.q, call.k, call.v
     B, H, Nq, D = q.shape
-    o = ctx.new_output((B, H, Nq, D), q.dtype)
-    lse = ctx.new_output((B, H, Nq), torch.float32)
+    o = call.new_output((B, H, Nq, D), q.dtype)
+    lse = call.new_output((B, H, Nq), torch.float32)
+    hopper = not call.gluon_reasons(KernelVariant.FORWARD)
 
     def launch(cfg) -> None:
-        if cfg.gluon and ctx.hopper_forward:
+        if cfg.gluon and hopper:
             try:
                 attention_forward_hopper(
-                    q, k, v, o, lse, ctx.scale, ctx.causal, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages
+                    q, k, v, o, lse, call.scale, call.causal, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages
                 )
                 return
             except CompilationError as error:  # Gluon's API drifted (frontend error): the Triton kernel's tiles serve
                 record_compile_failure(error)
         num_m_blocks = num_blocks(Nq, cfg.block_m)
-        use_tma, k_desc, v_desc = ctx.kv_tile_descriptors(cfg)
-        attention_forward_kernel[grid_1d(num_m_blocks * B * H)](
-            q, k, v, k_desc, v_desc, o, lse, ctx.seqlens, ctx.counts_for(num_m_blocks * B * H),
+        use_tma, k_desc, v_desc = call.kv_tile_descriptors(cfg)
+        programs = num_m_blocks * B * H
+        attention_forward_kernel[grid_1d(programs)](
+            q, k, v, k_desc, v_desc, o, lse, call.seqlens, call.counts_for(KernelVariant.FORWARD, programs),
             *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-            H, ctx.group_size, Nq, ctx.seqlen_k, num_m_blocks, ctx.scale * LOG2E,
-            head_dim=D, EVEN_D=ctx.even_d, BLOCK_D=ctx.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=ctx.causal, HAS_SEQLENS=ctx.has_seqlens, FOLD_SCALE=ctx.fold_scale,
-            MASK_STAGE=ctx.mask_stage_needed(cfg.block_n), USE_TMA=use_tma, DOT_PRECISION=ctx.dot_precision,
-            DEBUG=ctx.debug,
+            H, call.group_size, Nq, call.seqlen_k, num_m_blocks, call.scale * LOG2E,
+            head_dim=D, EVEN_D=call.even_d, BLOCK_D=call.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            CAUSAL=call.causal, HAS_SEQLENS=call.has_seqlens, FOLD_SCALE=call.fold_scale,
+            MASK_STAGE=call.mask_stage_needed(cfg.block_n), USE_TMA=use_tma, DOT_PRECISION=call.dot_precision,
+            DEBUG=call.debug,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
-    ctx.run("forward", launch, gluon_in_scope=ctx.hopper_forward)
+    run(call, KernelVariant.FORWARD, launch, gluon_in_scope=hopper)
     return o, lse

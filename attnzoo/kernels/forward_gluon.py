@@ -28,10 +28,10 @@ its bytes have landed.  Two arrangements, by the number of warpgroups per Q bloc
   CTA-wide barriers per iteration (fp16, N = 2k and 8k), and 1.15-1.29x faster than the best 64-row tile (fp16 and
   bf16; docs/NOTES-kernels.md).
 
-Scope (``LaunchContext.hopper_reasons`` says why a call runs ``forward.py``'s kernel instead): an sm_90
-GPU, float16/bfloat16, head dims 64 and 128, no ``seqlens_k`` (TMA zero-fills past Nk only: V rows past
-``seqlens_k[b]`` may hold NaN, and ``0 * NaN`` would reach ``P V``), a positive scale, and q/k/v that a TMA descriptor
-can address.
+Scope (``KernelVariant.FORWARD.gluon_scope`` in ``launch.py`` says why a call runs ``forward.py``'s kernel
+instead): an sm_90 GPU, float16/bfloat16, head dims 64 and 128, no ``seqlens_k`` (TMA zero-fills past Nk only: V
+rows past ``seqlens_k[b]`` may hold NaN, and ``0 * NaN`` would reach ``P V``), a positive scale, and q/k/v that a TMA
+descriptor can address.
 Causal masks, any Nq and Nk, and grouped-query heads are handled.  Results are the same online softmax as
 ``forward.py`` (not bitwise: the products are summed in another order).
 """
@@ -308,8 +308,8 @@ def attention_forward_hopper(
     """Write ``o`` ``[B, H, Nq, D]`` (contiguous, dtype of q) and ``lse`` ``[B, H, Nq]`` float32 of one call.
 
     ``q`` ``[B, H, Nq, D]``, ``k``/``v`` ``[B, Hkv, Nk, D]``, in the scope that
-    ``LaunchContext.hopper_reasons("forward")`` checks.  ``block_m`` = 64 (one warpgroup, ``num_warps`` = 4) or 128
-    (two warpgroups, ``num_warps`` = 8, warp-specialised with a producer warp).
+    ``KernelVariant.FORWARD.gluon_scope`` (``launch.py``) checks.  ``block_m`` = 64 (one warpgroup, ``num_warps`` = 4)
+    or 128 (two warpgroups, ``num_warps`` = 8, warp-specialised with a producer warp).
     """
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]

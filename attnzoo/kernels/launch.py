@@ -1,25 +1,36 @@
-"""What every kernel launch of one attention call needs: the inputs, the mask parameters, the dot precision,
-the output allocation, the debug counters and the choice of launch config.
+"""The launch layer: from a validated call to kernel launches.
+
+- :func:`prepare` turns a call (``q``, ``k``, ``v`` and the :class:`~attnzoo.validation.Problem` that carries every
+  other argument) into a :class:`PreparedCall`: the tensors as the kernels address them, the mask and precision
+  parameters, the forced configs and the debug counters, all fixed once.
+- :class:`KernelVariant` names what runs (``forward``, ``dq``, ``dkdv``, the atomic backward with either Delta); a
+  variant with a Gluon Hopper kernel declares where it can run in its :class:`GluonScope`.
+- :func:`run` launches one variant with the config it gets: forced, the interpreter's, or the tuner's
+  (:func:`attnzoo.kernels.tuning.launch_with_best`).
+
+The kernel modules (``forward.py``, ``backward_2kernel.py``, ``backward_atomic.py``) build the launch closures.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
-from triton.runtime.errors import OutOfResources
 
 try:  # host-side tensor descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older Triton: every launch uses pointer loads
     TensorDescriptor = None
 
-from ..backend import new_output, triton_interpreter_active
+from .._env import new_output, triton_interpreter_active
+from ..validation import Problem
+from . import tuning
 from .gluon_hopper import HOPPER_DTYPES, HOPPER_HEAD_DIMS, gluon_unavailable_reason
-from .tuning import AUTOTUNER, CANDIDATES, INTERPRETER_CONFIG, KernelConfig, candidates, head_dim_tile, seqlen_bucket
+from .tuning import CANDIDATES, INTERPRETER_CONFIG, KernelConfig, head_dim_tile, seqlen_bucket
 
 # The longest tile side of any launch config: in-tile offsets (row * row stride + col * col stride) are int32.
 _MAX_TILE_ROWS = max(max(c.block_m, c.block_n) for configs in CANDIDATES.values() for c in configs)
@@ -87,17 +98,6 @@ def num_blocks(n: int, block: int) -> int:
     return -(-n // block)
 
 
-def _launched(cfg: KernelConfig, launch: Callable[[KernelConfig], None], reset: Callable[[], None] | None) -> bool:
-    """Launch ``cfg`` after ``reset``; False if it does not fit the device (out of shared memory or registers)."""
-    try:
-        if reset is not None:
-            reset()
-        launch(cfg)
-    except OutOfResources:
-        return False
-    return True
-
-
 def grid_1d(programs: int) -> tuple[int]:
     """A 1-d grid: programs are laid out flat so that B*H may exceed the 65535 limit of grid axes 1 and 2."""
     return (programs,)
@@ -120,42 +120,65 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee"
 
 
-@dataclass
-class LaunchContext:
-    """One attention call, prepared for the kernels.
+class KernelVariant(enum.Enum):
+    """What one launch runs; its value is the tuning key's first field (tuned apart from the other variants)."""
 
-    q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nk, D]`` (any strides, passed to the kernels as they are).
-    ``forced_config``: use this config (or ``{kernel: config}``, e.g. ``{"dkdv": ...}``) instead of the
-    autotuner's choice (debug mode, tests of every candidate).
+    FORWARD = "forward"
+    DQ = "dq"  # the Q-stationary dQ kernel, which also writes Delta and lse in base 2
+    DKDV = "dkdv"  # the K/V-stationary dK/dV kernel
+    ATOMIC_PREPROCESS = "atomic:preprocess"  # Q-stationary atomic backward, Delta from the preprocess kernel
+    ATOMIC_RECOMPUTE = "atomic:recompute"  # the same with Delta recomputed by a first pass over K/V
+
+    @property
+    def kernel(self) -> str:
+        """The kernel whose candidate configs the variant uses, and its name in ``configs={...}`` of a backend."""
+        return _KERNEL_OF[self]
+
+    @property
+    def gluon_scope(self) -> GluonScope | None:
+        """Where the variant's ``gluon`` configs run a Gluon Hopper kernel (None: the variant has none)."""
+        return _GLUON_SCOPES.get(self)
+
+
+_KERNEL_OF = {
+    KernelVariant.FORWARD: "forward",
+    KernelVariant.DQ: "dq",
+    KernelVariant.DKDV: "dkdv",
+    KernelVariant.ATOMIC_PREPROCESS: "atomic",
+    KernelVariant.ATOMIC_RECOMPUTE: "atomic",
+}
+
+
+@dataclass(eq=False)
+class PreparedCall:
+    """One attention call, prepared for the kernels by :func:`prepare`; nothing in it changes afterwards (not frozen
+    only because a frozen dataclass costs host time per call to build).
+
+    q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nk, D]`` (any strides, passed to the kernels as they are, unless a tile's
+    int32 offsets could wrap: ``int32_addressable``).  ``seqlens``: int32 ``[B]`` (a placeholder the kernels never
+    read without ``seqlens_k``).  ``forced``: kernel name (``"forward"``, ``"dq"``, ``"dkdv"``, ``"atomic"``) ->
+    the config always used for it.  ``counts``: the caller's dict that debug launches record their per-program
+    ``(visited, skipped)`` tile counts in, per variant (None: no debug build).
     """
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
+    problem: Problem
+    seqlens: torch.Tensor
+    forced: Mapping[str, KernelConfig]
+    counts: dict[KernelVariant, torch.Tensor] | None
+    # Read per launch, so plain fields rather than properties over ``problem`` (host time counts).
     scale: float
     causal: bool
-    seqlens_k: torch.Tensor | None
-    debug: bool = False
-    forced_config: KernelConfig | dict[str, KernelConfig] | None = None
-    counts: dict[str, torch.Tensor] = field(default_factory=dict)
-    configs: dict[str, KernelConfig] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.q, self.k, self.v = (int32_addressable(x) for x in (self.q, self.k, self.v))
-        device = self.q.device
-        self.group_size = self.q.shape[1] // self.k.shape[1]
-        self.seqlen_k = self.k.shape[2]
-        self.block_d = head_dim_tile(self.q.shape[3])
-        self.even_d = self.q.shape[3] == self.block_d  # no column mask needed
-        self.dot_precision = dot_precision(self.q.dtype)
-        self.fold_scale = folds_scale(self.scale, self.block_d)
-        self.has_seqlens = self.seqlens_k is not None
-        if self.has_seqlens:
-            self.seqlens = self.seqlens_k.to(device=device, dtype=torch.int32).contiguous()
-        else:
-            self.seqlens = _placeholder(device)  # never read
-        self._dummy_counts = _placeholder(device)  # never written
-        self._running: str | None = None
+    has_seqlens: bool
+    group_size: int
+    seqlen_k: int
+    block_d: int
+    even_d: bool  # D == BLOCK_D: no column mask needed
+    dot_precision: str
+    fold_scale: bool
+    debug: bool  # the kernels are built with their tile counters (DEBUG): counts is not None
 
     @cached_property
     def kv_descriptors(self) -> bool:
@@ -170,13 +193,87 @@ class LaunchContext:
             return True, *(tile_descriptor(x, cfg.block_n, self.block_d) for x in (self.k, self.v))
         return False, self.k, self.v
 
-    def hopper_reasons(self, kernel: str = "forward", do: torch.Tensor | None = None) -> list[str]:
-        """Why a ``gluon`` config of ``kernel`` runs its Triton twin on this call; [] when the Gluon kernel can run.
+    def mask_stage_needed(self, block_n: int) -> bool:
+        """Whether some tile of ``block_n`` keys needs the visibility mask: a causal diagonal, ``seqlens_k``, or a
+        last K/V tile cut by Nk.  When none does, the kernels leave their masked loop out at compile time: the
+        loop would run no iteration, but its code alone costs registers in kernels that sit at the limit."""
+        return self.causal or self.has_seqlens or self.seqlen_k % block_n != 0
 
-        ``kernel``: ``"forward"`` (``forward_gluon.py``) or ``"dkdv"`` (``backward_gluon.py``, which also loads the
-        output gradient ``do`` by TMA).
-        """
-        q = self.q
+    def new_output(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous output buffer that the kernels write completely (NaN-filled under ATTNZOO_POISON_OUTPUTS=1)."""
+        return new_output(shape, dtype, self.q.device)
+
+    def counts_for(self, variant: KernelVariant, programs: int) -> torch.Tensor:
+        """The tile-count buffer (``programs`` x (visited, skipped) int32) of a launch of ``variant``, recorded in
+        ``counts``; without debug a placeholder that the kernel never writes."""
+        if self.counts is None:
+            return _placeholder(self.q.device)
+        buf = torch.full((programs, 2), -1, dtype=torch.int32, device=self.q.device)
+        self.counts[variant] = buf
+        return buf
+
+    def gluon_reasons(self, variant: KernelVariant, *extra_tma_operands: torch.Tensor) -> list[str]:
+        """Why a ``gluon`` config of ``variant`` runs its Triton twin on this call; [] when the Gluon kernel runs."""
+        scope = variant.gluon_scope
+        if scope is None:
+            return [f"{variant.value} has no Gluon kernel"]
+        return scope.not_supported_reasons(self, extra_tma_operands)
+
+
+def prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    problem: Problem,
+    forced: Mapping[str, KernelConfig] | None = None,
+    counts: dict[KernelVariant, torch.Tensor] | None = None,
+) -> PreparedCall:
+    """The prepared call of validated inputs (``problem`` from ``attnzoo.validation``); inputs are never copied unless
+    their strides could wrap int32 offsets inside a tile."""
+    q, k, v = (int32_addressable(x) for x in (q, k, v))
+    block_d = head_dim_tile(problem.head_dim)
+    if problem.seqlens_k is not None:
+        seqlens = problem.seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
+    else:
+        seqlens = _placeholder(q.device)  # never read
+    return PreparedCall(
+        q=q,
+        k=k,
+        v=v,
+        problem=problem,
+        seqlens=seqlens,
+        forced=forced or {},
+        counts=counts,
+        scale=problem.scale,
+        causal=problem.causal,
+        has_seqlens=problem.has_seqlens_k,
+        group_size=problem.heads // problem.kv_heads,
+        seqlen_k=problem.seqlen_k,
+        block_d=block_d,
+        even_d=problem.head_dim == block_d,
+        dot_precision=dot_precision(problem.dtype),
+        fold_scale=folds_scale(problem.scale, block_d),
+        debug=counts is not None,
+    )
+
+
+@dataclass(frozen=True)
+class GluonScope:
+    """Where a variant's Gluon Hopper kernel runs, declared once (as a backend's ``Capabilities``); elsewhere its
+    ``gluon`` configs run the Triton kernel with the same tiles, and the tuner does not time them twice.
+
+    Common to every Gluon kernel: an sm_90 NVIDIA GPU (not the interpreter, not ROCm), float16/bfloat16, the head
+    dims of ``HOPPER_HEAD_DIMS``, no ``seqlens_k`` (TMA zero-fills past Nk only: K/V rows past ``seqlens_k[b]``
+    arrive as they are, and a NaN there makes P V or dP NaN even where P = 0), no debug build (no tile counters), and
+    q, k, v (and ``extra_tma_operands``) addressable by TMA.
+    """
+
+    kernel_file: str
+    needs_positive_scale: bool  # the kernel folds the scale into exp2's argument
+    extra_tma_operands: tuple[str, ...] = ()  # names of the further tensors it loads by TMA, passed to the check
+
+    def not_supported_reasons(self, call: PreparedCall, extra: tuple[torch.Tensor, ...] = ()) -> list[str]:
+        q = call.q
         unavailable = gluon_unavailable_reason()
         if unavailable:
             return [unavailable]
@@ -189,111 +286,67 @@ class LaunchContext:
             reasons.append(f"dtype {q.dtype}: float16 and bfloat16 only")
         if q.shape[-1] not in HOPPER_HEAD_DIMS:
             reasons.append(f"head dim {q.shape[-1]}: {' and '.join(map(str, HOPPER_HEAD_DIMS))} only")
-        if self.has_seqlens:
-            # TMA zero-fills past Nk only: K/V rows past seqlens_k[b] arrive as they are, and a NaN there makes P V
-            # (forward) or dP (backward) NaN even where P = 0.
+        if call.has_seqlens:
             reasons.append("seqlens_k: the K/V rows past seqlens_k[b] may hold anything, and TMA cannot zero them")
-        if kernel == "forward" and not self.scale > 0:
+        if self.needs_positive_scale and not call.scale > 0:
             reasons.append("scale <= 0: the kernel folds a positive scale into exp2's argument")
-        if self.debug:
+        if call.debug:
             reasons.append("debug mode: the Gluon kernels keep no tile counts")
-        if kernel == "dkdv" and (do is None or not descriptor_loads_possible(do)):
-            reasons.append("do not addressable by TMA (empty, or not: last stride 1, 16-byte aligned strides)")
-        if not (descriptor_loads_possible(q) and self.kv_descriptors):
+        if len(extra) != len(self.extra_tma_operands) or not all(descriptor_loads_possible(x) for x in extra):
+            names = " and ".join(self.extra_tma_operands)
+            reasons.append(f"{names} not addressable by TMA (empty, or not: last stride 1, 16-byte aligned strides)")
+        if not (descriptor_loads_possible(q) and call.kv_descriptors):
             reasons.append("q, k or v not addressable by TMA (empty, or not: last stride 1, 16-byte aligned strides)")
         return reasons
 
-    @cached_property
-    def hopper_forward(self) -> bool:
-        """Whether a ``gluon`` forward config runs the Gluon Hopper kernel here (else its Triton twin)."""
-        return not self.hopper_reasons("forward")
 
-    def mask_stage_needed(self, block_n: int) -> bool:
-        """Whether some tile of ``block_n`` keys needs the visibility mask: a causal diagonal, ``seqlens_k``, or a
-        last K/V tile cut by Nk.  When none does, the kernels leave their masked loop out at compile time: the
-        loop would run no iteration, but its code alone costs registers in kernels that sit at the limit."""
-        return self.causal or self.has_seqlens or self.seqlen_k % block_n != 0
+_GLUON_SCOPES = {
+    KernelVariant.FORWARD: GluonScope("forward_gluon.py", needs_positive_scale=True),
+    KernelVariant.DKDV: GluonScope("backward_gluon.py", needs_positive_scale=False, extra_tma_operands=("do",)),
+}
 
-    def new_output(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A contiguous output buffer that the kernels write completely (NaN-filled under ATTNZOO_POISON_OUTPUTS=1)."""
-        return new_output(shape, dtype, self.q.device)
 
-    def counts_for(self, programs: int) -> torch.Tensor:
-        """The debug counter buffer (``programs`` x (visited, skipped) int32) of the kernel being launched."""
-        if not self.debug:
-            return self._dummy_counts
-        buf = torch.full((programs, 2), -1, dtype=torch.int32, device=self.q.device)
-        self.counts[self._running] = buf
-        return buf
+def run(
+    call: PreparedCall,
+    variant: KernelVariant,
+    launch: Callable[[KernelConfig], None],
+    reset: Callable[[], None] | None = None,
+    gluon_in_scope: bool = False,
+) -> KernelConfig:
+    """Launch ``variant`` with the forced, the interpreter's or the tuner's config; returns the config used.
 
-    def run(
-        self,
-        kernel: str,
-        launch: Callable[[KernelConfig], None],
-        reset: Callable[[], None] | None = None,
-        gluon_in_scope: bool = False,
-    ) -> KernelConfig:
-        """Launch ``kernel`` with the interpreter's, the forced or the autotuned config; returns the config used.
-
-        ``kernel`` names the candidate list (``"forward"``, ``"dkdv"``, ``"dq"``, ``"atomic"``), optionally
-        followed by ``":variant"`` when variants of one kernel must be tuned apart.
-
-        ``reset`` zeroes accumulation buffers; it runs before every launch of the kernel, so tuning trials
-        never leave partial sums behind.  ``gluon_in_scope``: ``launch`` runs the Gluon kernel for a ``gluon``
-        config (``hopper_reasons``); otherwise such a config would run its Triton twin, and the tuner skips it.
-        """
-        self._running = kernel
-        forced = self.forced_config
-        if isinstance(forced, dict):
-            forced = forced.get(kernel.split(":")[0])
-        if forced is not None or triton_interpreter_active():
-            cfg = forced if forced is not None else INTERPRETER_CONFIG
-            if reset is not None:
-                reset()
-            launch(cfg)
-        else:
-            cfg = self._tune_and_launch(kernel, launch, reset, gluon_in_scope)
-        self.configs[kernel] = cfg
-        self._running = None
+    ``reset`` zeroes accumulation buffers; it runs before every launch of the kernel, so tuning trials never leave
+    partial sums behind.  ``gluon_in_scope``: ``launch`` runs the Gluon kernel for a ``gluon`` config
+    (``call.gluon_reasons`` is empty); otherwise such a config would run its Triton twin, and the tuner skips it.
+    """
+    cfg = call.forced.get(variant.kernel) if call.forced else None
+    if cfg is not None or triton_interpreter_active():
+        cfg = cfg if cfg is not None else INTERPRETER_CONFIG
+        if reset is not None:
+            reset()
+        launch(cfg)
         return cfg
+    q = call.q
+    key = (
+        variant.value,
+        call.block_d,
+        q.dtype,
+        call.causal,
+        call.has_seqlens,
+        seqlen_bucket(q.shape[2]),
+        seqlen_bucket(call.seqlen_k),
+        call.dot_precision,
+        q.device.index,
+    )
 
-    def _tune_and_launch(
-        self,
-        kernel: str,
-        launch: Callable[[KernelConfig], None],
-        reset: Callable[[], None] | None,
-        gluon_in_scope: bool,
-    ) -> KernelConfig:
-        """Launch with the autotuner's choice for this call's key; returns the config that ran."""
-        q = self.q
-        key = (
-            kernel,
-            self.block_d,
-            q.dtype,
-            self.causal,
-            self.has_seqlens,
-            seqlen_bucket(q.shape[2]),
-            seqlen_bucket(self.seqlen_k),
-            self.dot_precision,
-            q.device.index,
-        )
-        cfg = AUTOTUNER.best.get(key)
-        if cfg is not None:  # tuned by an earlier call, and launched then: the common case, kept short
-            if _launched(cfg, launch, reset):
-                return cfg
-            del AUTOTUNER.best[key]  # another specialisation of this key (say, another head dim) needs more
-        configs = candidates(kernel.split(":")[0], self.block_d, q.dtype, q.device)
-        # Configs that would launch as a twin of another candidate here are not timed twice: TMA ones without
+    def configs_in_scope() -> list[KernelConfig]:
+        configs = tuning.candidates(variant.kernel, call.block_d, q.dtype, q.device)
+        # Configs that would launch as a twin of another candidate here are not tried twice: TMA ones without
         # descriptors (their pointer twin), Gluon ones outside its scope (the Triton kernel with the same tiles).
-        if any(c.tma for c in configs) and not self.kv_descriptors:
+        if any(c.tma for c in configs) and not call.kv_descriptors:
             configs = [c for c in configs if not c.tma] or configs
         if any(c.gluon for c in configs) and not gluon_in_scope:
             configs = [c for c in configs if not c.gluon] or configs
-        cfg = AUTOTUNER.choose(key, configs, launch, reset)
-        # The shared-memory estimate is rough: if the chosen config does not fit after all, take the next.
-        for fallback in [cfg] + [c for c in configs if c != cfg]:
-            if _launched(fallback, launch, reset):
-                AUTOTUNER.best[key] = fallback
-                return fallback
-        del AUTOTUNER.best[key]
-        raise RuntimeError(f"no launch configuration of {kernel} fits this device; tried {configs}")
+        return configs
+
+    return tuning.launch_with_best(key, configs_in_scope, launch, reset)

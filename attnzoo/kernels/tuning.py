@@ -1,27 +1,52 @@
-"""Launch configurations of the Triton kernels and the autotuner that picks among them.
+"""Launch configurations of the Triton kernels, and the tuner that picks one per call.
 
 Each kernel has a short list of candidate :class:`KernelConfig` (BLOCK_M query rows, BLOCK_N keys, warps,
-software-pipelining stages, TMA loads), pruned by an estimate of the shared memory they need.  The autotuner
-times the survivors once per *key* (the kernel, head-dim tile, dtype, causal, seqlens_k, and power-of-two
-buckets of Nq and Nk: what changes the best choice), times the close ones again, and caches the winner.  It is
-written here instead of using ``triton.autotune`` so that kernels that accumulate with atomics get their
-buffers zeroed before the final launch in every Triton version, and so that ``ATTNZOO_AUTOTUNE=0``
-can switch tuning off.
+software-pipelining stages, TMA loads, Gluon), pruned by an estimate of the shared memory they need.  A config is
+chosen per *key*: the kernel variant, head-dim tile, dtype, causal, seqlens_k, power-of-two buckets of Nq and Nk and
+the dot precision (what changes the best choice).  :func:`launch_with_best` is the one entry point of the launch
+layer; for a key it looks, in order, at
+
+1. the configs chosen earlier in this process (the common case: a dict lookup);
+2. the user's disk cache: one small JSON per GPU model, compute capability, Triton version and attnzoo version, under
+   ``$ATTNZOO_CACHE_DIR`` (else ``$XDG_CACHE_HOME/attnzoo``, else ``~/.cache/attnzoo``), read once per process;
+3. the table shipped in ``attnzoo/tuning_data/`` for the running GPU's model (measured by ``attnzoo bench``; any
+   Triton version);
+4. with ``ATTNZOO_AUTOTUNE=1`` or inside :func:`autotuning`: timing every candidate (:class:`Autotuner`), and
+   storing the winner on disk for every later process;
+5. otherwise the heuristic pick (:func:`heuristic_pick`): one config compiled, nothing timed.
+
+``ATTNZOO_AUTOTUNE=0`` (or unset) never times.  Inside ``autotuning()`` steps 2 and 3 are skipped: every key is
+timed afresh once and its winner stored (``python -m attnzoo tune``, the benchmark).  A remembered config that no
+longer launches (out of shared memory or registers: another specialisation of the key) falls back to the next
+candidate that does.  The tuner is written here rather than with ``triton.autotune`` so that kernels that
+accumulate with atomics get their buffers zeroed before every launch in every Triton version.
 
 Under the Triton interpreter every kernel uses one small fixed config (16 x 16) so that CPU tests stay fast.
+Triton is imported only when a kernel is tuned or launched, so that this module (and ``KernelConfig``) loads without
+it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import os
+import re
 import statistics
-from collections.abc import Callable
+import tempfile
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
-import triton
-from triton.runtime.errors import OutOfResources
+
+from .._env import autotune_requested, cache_dir
+
+_CONFIG_TEXT = re.compile(r"(\d+)x(\d+) w(\d+) s(\d+)((?: (?:tma|gluon))*)")
 
 
 @dataclass(frozen=True)
@@ -31,8 +56,8 @@ class KernelConfig:
     tma (forward and dQ kernel): load the K/V tiles of the unmasked stage through tensor descriptors (Hopper's
     TMA copy engine) where the inputs allow it (``launch.descriptor_loads_possible``), else through pointers.
     gluon (forward, dK/dV kernel): run the Gluon Hopper kernel (``forward_gluon.py``, ``backward_gluon.py``;
-    NUM_STAGES = num_stages) where the call is in its scope (``LaunchContext.hopper_reasons``), else the Triton kernel
-    with the same tiles.
+    NUM_STAGES = num_stages) where the call is in its scope (``KernelVariant.gluon_scope``), else the Triton kernel
+    with the same tiles.  ``str(cfg)`` reads ``"128x64 w8 s3 tma"``; :meth:`parse` reads it back.
     """
 
     block_m: int
@@ -45,6 +70,28 @@ class KernelConfig:
     def __str__(self) -> str:
         flags = (" tma" if self.tma else "") + (" gluon" if self.gluon else "")
         return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}{flags}"
+
+    @classmethod
+    def parse(cls, text: str) -> KernelConfig:
+        """The config written as ``str(cfg)``, e.g. ``"128x64 w8 s3 tma gluon"``; ValueError on other text."""
+        if not isinstance(text, str):
+            raise TypeError(f"a kernel config must be a KernelConfig or its text, got {type(text).__name__}")
+        match = _CONFIG_TEXT.fullmatch(text.strip())
+        if match is None:
+            raise ValueError(
+                f"kernel config {text!r} is not of the form 'BLOCK_MxBLOCK_N wWARPS sSTAGES[ tma][ gluon]' "
+                "(e.g. '128x64 w8 s3 tma')"
+            )
+        block_m, block_n, warps, stages = (int(g) for g in match.groups()[:4])
+        flags = match.group(5).split()
+        if len(set(flags)) != len(flags):
+            raise ValueError(f"kernel config {text!r} repeats a flag")
+        for name, value in (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("warps", warps)):
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"kernel config {text!r}: {name} must be a power of two, got {value}")
+        if stages < 1:
+            raise ValueError(f"kernel config {text!r}: stages must be at least 1, got {stages}")
+        return cls(block_m, block_n, warps, stages, tma="tma" in flags, gluon="gluon" in flags)
 
 
 INTERPRETER_CONFIG = KernelConfig(16, 16, 1, 1)
@@ -130,6 +177,8 @@ def shared_memory_estimate(kernel: str, cfg: KernelConfig, block_d: int, itemsiz
 
 @functools.cache
 def _shared_memory_limit_of(index: int) -> int:
+    import triton
+
     props = triton.runtime.driver.active.utils.get_device_properties(index)
     return int(props["max_shared_mem"])
 
@@ -148,11 +197,6 @@ def candidates(kernel: str, block_d: int, dtype: torch.dtype, device: torch.devi
         return fitting
     # Nothing fits by the estimate: keep the smallest and let the compiler decide.
     return [min(configs, key=lambda c: shared_memory_estimate(kernel, c, block_d, itemsize))]
-
-
-def autotune_enabled() -> bool:
-    """``ATTNZOO_AUTOTUNE=0`` turns tuning off (the first fitting candidate is used)."""
-    return os.environ.get("ATTNZOO_AUTOTUNE", "1") not in ("0", "")
 
 
 def _next_power_of_2(n: int) -> int:
@@ -199,8 +243,44 @@ class Autotuner:
 
     def __init__(self) -> None:
         self.best: dict[tuple, KernelConfig] = {}
+        self.sources: dict[tuple, str] = {}  # where each best config came from: "timed", "disk", "shipped", ...
         self.timings: dict[tuple, dict[KernelConfig, float]] = {}
         self.screens: dict[tuple, dict[KernelConfig, list[float]]] = {}
+        self.store = WinnerStore()
+
+    def forget(self, key: tuple) -> None:
+        """Drop the remembered config of ``key`` (it no longer launches)."""
+        self.best.pop(key, None)
+        self.sources.pop(key, None)
+
+    def resolve(
+        self,
+        key: tuple,
+        configs: list[KernelConfig],
+        launch: Callable[[KernelConfig], None],
+        reset: Callable[[], None] | None,
+    ) -> KernelConfig:
+        """The config of a key seen for the first time in this process (the lookup order of the module docstring)."""
+        timing = _timing_requested()
+        if _forced_timing is not True:  # inside autotuning() every key is timed afresh
+            identity = _device_identity(key[-1])
+            if identity is not None:
+                text = key_text(key)
+                for source, winners in (("disk", self.store.winners(identity)), ("shipped", shipped_winners(identity))):
+                    cfg = _known_config(winners.get(text), configs)
+                    if cfg is not None:
+                        self.best[key], self.sources[key] = cfg, source
+                        return cfg
+        if timing:
+            cfg = self.choose(key, configs, launch, reset)
+            self.sources[key] = "timed"
+            identity = _device_identity(key[-1])
+            if identity is not None:
+                self.store.save(identity, key_text(key), cfg)
+            return cfg
+        cfg = heuristic_pick(key[0], key[1], configs)
+        self.best[key], self.sources[key] = cfg, "heuristic"
+        return cfg
 
     def choose(
         self,
@@ -209,9 +289,11 @@ class Autotuner:
         launch: Callable[[KernelConfig], None],
         reset: Callable[[], None] | None,
     ) -> KernelConfig:
-        if key in self.best:
-            return self.best[key]
-        if len(configs) == 1 or not autotune_enabled():
+        """Time ``configs`` for ``key`` (all compiled first, then screened and re-timed) and keep the fastest."""
+        import triton.testing
+        from triton.runtime.errors import OutOfResources
+
+        if len(configs) == 1:
             self.best[key] = configs[0]
             return configs[0]
 
@@ -260,11 +342,295 @@ class Autotuner:
         ranked = ", ".join(
             f"{c} {t / fastest:.2f} [{' '.join(f'{s / fastest:.2f}' for s in screens[c])}]" for c, t in timings
         )
-        kernel, block_d, dtype, causal, has_seqlens, nq, nk = key[:7]
-        return (
-            f"{kernel} BLOCK_D={block_d} {str(dtype).removeprefix('torch.')} causal={causal} "
-            f"seqlens={has_seqlens} Nq<={nq} Nk<={nk}: {ranked}"
-        )
+        return f"{key_text(key)}: {ranked}"
+
+
+def autotune_enabled() -> bool:
+    """Whether keys without a stored winner are timed (``ATTNZOO_AUTOTUNE=1`` or inside ``autotuning()``)."""
+    return _timing_requested()
+
+
+def _launched(cfg: KernelConfig, launch: Callable[[KernelConfig], None], reset: Callable[[], None] | None) -> bool:
+    """Launch ``cfg`` after ``reset``; False if it does not fit the device (out of shared memory or registers)."""
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        if reset is not None:
+            reset()
+        launch(cfg)
+    except OutOfResources:
+        return False
+    return True
+
+
+def launch_with_best(
+    key: tuple,
+    configs_of: Callable[[], list[KernelConfig]],
+    launch: Callable[[KernelConfig], None],
+    reset: Callable[[], None] | None = None,
+) -> KernelConfig:
+    """Launch ``key``'s config (remembered, stored, shipped, timed or the heuristic pick); returns the config that ran.
+
+    ``key``: ``(variant, BLOCK_D, dtype, causal, has_seqlens_k, Nq bucket, Nk bucket, dot precision, device index)``.
+    ``configs_of`` gives the candidates that fit and are in scope for this call (only built on a key's first call).
+    ``reset`` zeroes accumulation buffers; it runs before every launch, timing trials included, so that no kernel
+    ever adds into a buffer that an earlier launch left partial sums in.
+    """
+    tuner = AUTOTUNER
+    cfg = tuner.best.get(key)
+    if cfg is not None:  # chosen by an earlier call, and launched then: the common case, kept short
+        if _launched(cfg, launch, reset):
+            return cfg
+        tuner.forget(key)  # another specialisation of this key (say, another head dim) needs more
+    configs = configs_of()
+    cfg = tuner.resolve(key, configs, launch, reset)
+    # The shared-memory estimate is rough: if the chosen config does not fit after all, take the next.
+    for fallback in [cfg] + [c for c in configs if c != cfg]:
+        if _launched(fallback, launch, reset):
+            tuner.best[key] = fallback
+            return fallback
+    tuner.forget(key)
+    raise RuntimeError(f"no launch configuration of {key[0]} fits this device; tried {', '.join(map(str, configs))}")
+
+
+def key_text(key: tuple) -> str:
+    """The readable, device-independent text of a tuning key: the disk cache's and the shipped table's keys."""
+    variant, block_d, dtype, causal, has_seqlens, nq, nk, precision = key[:8]
+    return (
+        f"{variant} BLOCK_D={block_d} {str(dtype).removeprefix('torch.')} causal={causal} seqlens={has_seqlens} "
+        f"Nq<={nq} Nk<={nk} dot={precision}"
+    )
+
+
+# -- heuristic -------------------------------------------------------------------------------------------------------
+# Without a stored winner, the first config of these lists that is among the call's candidates (fits the shared
+# memory, in the scope of Gluon/TMA) runs, else the first candidate.  Read off the H100 grids (bench/results/
+# h100_bench_{fp16,bf16}.log, mean time over the fastest across N = 1k..16k, causal or not): each list is the winner
+# of most keys, then the best config without Gluon, then without TMA, so that GPUs without them get a measured pick.
+# Keyed by (kernel, head-dim tile <= 64); larger tiles (128, 256) take the False entry.
+HEURISTIC_ORDER: dict[tuple[str, bool], tuple[str, ...]] = {
+    ("forward", True): ("64x128 w4 s2 gluon", "128x64 w8 s3 tma", "128x64 w8 s3", "64x64 w4 s3"),
+    ("forward", False): ("128x128 w8 s2 gluon", "128x128 w8 s3", "64x64 w4 s3"),
+    ("dkdv", True): ("64x64 w4 s3", "32x128 w4 s3"),
+    ("dkdv", False): ("64x64 w4 s2 gluon", "32x64 w4 s3"),
+    ("dq", True): ("64x64 w4 s3 tma", "64x64 w4 s3"),
+    ("dq", False): ("128x64 w8 s3 tma", "128x64 w8 s3"),
+    ("atomic", True): ("128x64 w8 s2",),
+    ("atomic", False): ("128x64 w8 s2",),
+}
+
+
+def heuristic_pick(variant: str, block_d: int, configs: list[KernelConfig]) -> KernelConfig:
+    """The untimed choice among ``configs`` (the call's fitting, in-scope candidates): see ``HEURISTIC_ORDER``."""
+    kernel = variant.split(":", 1)[0]
+    for text in HEURISTIC_ORDER.get((kernel, block_d <= 64), ()):
+        cfg = KernelConfig.parse(text)
+        if cfg in configs:
+            return cfg
+    return configs[0]
+
+
+# -- when to time ----------------------------------------------------------------------------------------------------
+_forced_timing: bool | None = None  # set by autotuning(): True times every key afresh, False never times
+
+
+def _timing_requested() -> bool:
+    return autotune_requested() if _forced_timing is None else _forced_timing
+
+
+@contextlib.contextmanager
+def autotuning(enabled: bool = True) -> Iterator[None]:
+    """Inside, calls time their kernels' candidates (``enabled``) and store the winners on disk, or never time.
+
+    ``enabled=True`` ignores the disk cache and the shipped table: each key is timed once more in this process (what
+    ``python -m attnzoo tune`` and the benchmark want); configs remembered untimed are forgotten on entry.
+    ``enabled=False`` overrides ``ATTNZOO_AUTOTUNE=1``.
+    """
+    global _forced_timing
+    previous = _forced_timing
+    if enabled:
+        for key in [k for k, source in AUTOTUNER.sources.items() if source != "timed"]:
+            AUTOTUNER.forget(key)
+    _forced_timing = bool(enabled)
+    try:
+        yield
+    finally:
+        _forced_timing = previous
+
+
+def tuned_report() -> dict[str, str]:
+    """Every key timed in this process, in order: its text -> one line with the candidates fastest first, each as its
+    time over the fastest's, then its screening timings on the same scale in brackets."""
+    return {key_text(key): AUTOTUNER.describe(key) for key in AUTOTUNER.timings}
+
+
+def chosen_configs() -> dict[str, tuple[str, str]]:
+    """Every key chosen in this process: its text -> (config text, source: timed, disk, shipped or heuristic)."""
+    return {key_text(key): (str(cfg), AUTOTUNER.sources.get(key, "?")) for key, cfg in AUTOTUNER.best.items()}
+
+
+# -- stored winners --------------------------------------------------------------------------------------------------
+class DeviceIdentity(NamedTuple):
+    """What a stored winner is valid for besides its key."""
+
+    name: str  # e.g. "NVIDIA H100 80GB HBM3"
+    capability: tuple[int, int]
+    triton: str
+    attnzoo: str
+
+
+@functools.cache
+def _device_identity(index: int | None) -> DeviceIdentity | None:
+    """The identity of CUDA device ``index`` (cached: a query per call would cost host time); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    import triton
+
+    from .. import __version__
+
+    index = index or 0
+    major, minor = torch.cuda.get_device_capability(index)
+    return DeviceIdentity(torch.cuda.get_device_name(index), (major, minor), triton.__version__, __version__)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")
+
+
+def cache_file(identity: DeviceIdentity) -> Path:
+    """The JSON of stored winners for one GPU model, capability, Triton version and attnzoo version."""
+    major, minor = identity.capability
+    name = f"{_slug(identity.name)}_sm{major}{minor}_triton-{_slug(identity.triton)}_attnzoo-{_slug(identity.attnzoo)}"
+    return cache_dir() / f"tuning_{name}.json"
+
+
+def _read_winners(path: Path) -> dict[str, str]:
+    """The ``winners`` of a cache file ({} when absent); raises ValueError/OSError when it cannot be used."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    data = json.loads(text)
+    winners = data.get("winners") if isinstance(data, dict) else None
+    if not isinstance(winners, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in winners.items()):
+        raise ValueError("no 'winners' object of key text -> config text")
+    return dict(winners)
+
+
+class WinnerStore:
+    """The user's disk cache of tuned winners: read once per device identity, written atomically on each new winner
+    (merged with what another process may have written meanwhile).  An unreadable file is ignored with one warning."""
+
+    def __init__(self) -> None:
+        self._winners: dict[DeviceIdentity, dict[str, str]] = {}
+
+    def winners(self, identity: DeviceIdentity) -> dict[str, str]:
+        winners = self._winners.get(identity)
+        if winners is None:
+            path = cache_file(identity)
+            try:
+                winners = _read_winners(path)
+            except (OSError, ValueError) as error:
+                warnings.warn(f"attnzoo: ignoring the unreadable tuning cache {path} ({error})", stacklevel=2)
+                winners = {}
+            self._winners[identity] = winners
+        return winners
+
+    def save(self, identity: DeviceIdentity, text: str, cfg: KernelConfig) -> None:
+        winners = self.winners(identity)
+        winners[text] = str(cfg)
+        path = cache_file(identity)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                on_disk = _read_winners(path)
+            except (OSError, ValueError):
+                on_disk = {}  # corrupt: replaced by what this process knows
+            merged = {**on_disk, **winners}
+            winners.update(merged)
+            data = {
+                "gpu": identity.name,
+                "capability": list(identity.capability),
+                "triton": identity.triton,
+                "attnzoo": identity.attnzoo,
+                "winners": dict(sorted(merged.items())),
+            }
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as fh:
+                    json.dump(data, fh, indent=1)
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        except OSError as error:
+            warnings.warn(f"attnzoo: could not write the tuning cache {path} ({error})", stacklevel=2)
+
+
+@functools.cache
+def _shipped_tables() -> tuple[tuple[str, Mapping[str, str]], ...]:
+    """(GPU name, winners) of every JSON in ``attnzoo/tuning_data`` (read once)."""
+    tables = []
+    for entry in resources.files("attnzoo").joinpath("tuning_data").iterdir():
+        if entry.name.endswith(".json"):
+            data = json.loads(entry.read_text())
+            tables.append((data["gpu"], data["winners"]))
+    return tuple(tables)
+
+
+def shipped_winners(identity: DeviceIdentity) -> Mapping[str, str]:
+    """The shipped winners measured on the running GPU's model ({} for other models)."""
+    for gpu, winners in _shipped_tables():
+        if gpu == identity.name:
+            return winners
+    return {}
+
+
+def _known_config(text: str | None, configs: list[KernelConfig]) -> KernelConfig | None:
+    """The stored config ``text`` if it is still a candidate of this call (candidates change between versions)."""
+    if text is None:
+        return None
+    try:
+        cfg = KernelConfig.parse(text)
+    except ValueError:
+        return None
+    return cfg if cfg in configs else None
+
+
+def winners_from_bench_log(lines: Iterable[str]) -> dict[str, str]:
+    """Key text -> winner of each ``[tuned]`` line of an ``attnzoo bench`` log (candidates listed fastest first).
+
+    Lines written before the key carried the dot precision get ``dot=ieee``, what fp16/bf16 use (float32 lines of
+    that age are skipped: their precision is unknown).
+    """
+    winners = {}
+    for line in lines:
+        if "[tuned] " not in line:
+            continue
+        head, ranked = line.split("[tuned] ", 1)[1].split(": ", 1)
+        if " dot=" not in head:
+            if " float32 " in head:
+                continue
+            head += " dot=ieee"
+        # "64x128 w4 s2 gluon 1.00 [1.05 1.06]": the config, its time over the fastest, its screening times
+        winners[head] = re.sub(r" [\d.]+(?: \[[^]]*\])?$", "", ranked.split(", ", 1)[0].strip())
+    return winners
+
+
+def write_shipped_table(logs: Iterable[str | Path], gpu: str, out: str | Path) -> dict[str, str]:
+    """Build a shipped table (``attnzoo/tuning_data/*.json``) from ``attnzoo bench`` logs measured on ``gpu``."""
+    winners: dict[str, str] = {}
+    sources = []
+    for log in logs:
+        path = Path(log)
+        winners.update(winners_from_bench_log(path.read_text().splitlines()))
+        sources.append(path.name)
+    for text in winners.values():
+        KernelConfig.parse(text)  # every winner must read back
+    data = {"gpu": gpu, "source": ", ".join(sources), "winners": dict(sorted(winners.items()))}
+    Path(out).write_text(json.dumps(data, indent=1) + "\n")
+    return winners
 
 
 AUTOTUNER = Autotuner()

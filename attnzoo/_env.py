@@ -1,0 +1,57 @@
+"""The process-wide switches read from the environment, in one small module that the kernels may import (the
+backend interface is above them, not beside them).
+
+- ``TRITON_INTERPRET=1``: Triton kernels run on the CPU through the interpreter (set before Triton is imported).
+- ``ATTNZOO_POISON_OUTPUTS=1``: outputs start NaN-filled, so an element a kernel forgets to write fails the tests.
+- ``ATTNZOO_AUTOTUNE``: ``1`` times the launch configs of every key without a stored winner (and stores the winner);
+  ``0`` or unset never times (stored winners, else the heuristic pick; ``attnzoo/kernels/tuning.py``).
+- ``ATTNZOO_CACHE_DIR``: where tuned winners are stored (default ``$XDG_CACHE_HOME/attnzoo``, else
+  ``~/.cache/attnzoo``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("", "0")
+
+
+def triton_interpreter_active() -> bool:
+    """Whether Triton kernels run on the CPU through the interpreter (``TRITON_INTERPRET=1``)."""
+    return _flag("TRITON_INTERPRET")
+
+
+def poison_outputs() -> bool:
+    """Whether outputs are NaN-filled before a kernel writes them (``ATTNZOO_POISON_OUTPUTS=1``, set by the tests)."""
+    return _flag("ATTNZOO_POISON_OUTPUTS")
+
+
+def autotune_requested() -> bool:
+    """Whether keys without a stored winner are tuned by timing their candidates (``ATTNZOO_AUTOTUNE=1``)."""
+    return _flag("ATTNZOO_AUTOTUNE")
+
+
+def cache_dir() -> Path:
+    """The directory of attnzoo's persistent caches: ``$ATTNZOO_CACHE_DIR``, else ``$XDG_CACHE_HOME/attnzoo``, else
+    ``~/.cache/attnzoo``."""
+    explicit = os.environ.get("ATTNZOO_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "attnzoo"
+
+
+def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """An uninitialised output tensor that a backend or kernel fills completely.
+
+    Under ``ATTNZOO_POISON_OUTPUTS=1`` it starts as NaN, so that an element the kernel forgets to write
+    fails the tests instead of passing with whatever the allocator left there.
+    """
+    if poison_outputs():
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)

@@ -1,0 +1,221 @@
+"""The launch layer's public surface without a GPU: config text, backend options, the tuner's lookup order (stored
+winners on disk, the shipped table, timing only when asked, the heuristic pick otherwise), and ``import attnzoo``
+without Triton.  GPU identities and timings are faked; nothing here launches a kernel."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import attnzoo
+from attnzoo.kernels import tuning
+from attnzoo.kernels.tuning import Autotuner, DeviceIdentity, KernelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+H100 = DeviceIdentity("NVIDIA H100 80GB HBM3", (9, 0), "3.6.0", "0.1.0")
+OTHER_GPU = DeviceIdentity("NVIDIA A100-SXM4-80GB", (8, 0), "3.6.0", "0.1.0")
+# A key of the H100 grid (fp16, D = 128, N = 8192, non-causal) and one outside it (N = 64).
+GRID_KEY = ("forward", 128, torch.float16, False, False, 8192, 8192, "ieee", 0)
+OFF_GRID_KEY = ("forward", 128, torch.float16, False, False, 64, 64, "ieee", 0)
+
+
+@pytest.fixture
+def tuner(monkeypatch, tmp_path):
+    """A fresh tuner (as in a new process) with its disk cache in ``tmp_path``, on a faked H100, tuning not asked."""
+    monkeypatch.setenv("ATTNZOO_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("ATTNZOO_AUTOTUNE", raising=False)
+    monkeypatch.setattr(tuning, "AUTOTUNER", Autotuner())
+    monkeypatch.setattr(tuning, "_device_identity", lambda index: H100)
+    monkeypatch.setattr(tuning, "_launched", lambda cfg, launch, reset: (reset and reset(), launch(cfg)) and True)
+    return tuning.AUTOTUNER
+
+
+def _no_timing(key, configs, launch, reset):
+    raise AssertionError("timed although no tuning was asked for")
+
+
+def _fake_timing(winner: KernelConfig, events: list):
+    """A stand-in for Autotuner.choose that launches every candidate after its reset and picks ``winner``."""
+
+    def choose(key, configs, launch, reset):
+        for cfg in configs:
+            reset()
+            launch(cfg)
+            events.append(("trial", cfg))
+        tuning.AUTOTUNER.best[key] = winner
+        return winner
+
+    return choose
+
+
+def test_config_text_round_trips():
+    for configs in tuning.CANDIDATES.values():
+        for cfg in configs:
+            assert KernelConfig.parse(str(cfg)) == cfg
+    assert KernelConfig.parse("128x64 w8 s3 tma gluon") == KernelConfig(128, 64, 8, 3, tma=True, gluon=True)
+    for bad in ("128x64", "128x64 w8 s3 fast", "100x64 w8 s3", "128x64 w8 s0", "128x64 w8 s3 tma tma", ""):
+        with pytest.raises(ValueError, match="kernel config"):
+            KernelConfig.parse(bad)
+
+
+def test_backend_options():
+    assert attnzoo.get("triton_atomic", delta="recompute") is attnzoo.get("triton_atomic", delta="recompute")
+    assert attnzoo.get("triton_atomic", delta="recompute") is not attnzoo.get("triton_atomic")
+    assert repr(attnzoo.get("triton_atomic", delta="recompute")) == "<attnzoo backend triton_atomic delta=recompute>"
+    assert repr(attnzoo.get("torch_fa2")) == "<attnzoo backend torch_fa2>"
+    pinned = attnzoo.get("triton_2kernel", configs={"forward": "128x64 w8 s3 tma", "dkdv": "64x64 w4 s2 gluon"})
+    assert pinned.configs == {
+        "forward": KernelConfig(128, 64, 8, 3, tma=True),
+        "dkdv": KernelConfig(64, 64, 4, 2, gluon=True),
+    }
+    assert "forward: 128x64 w8 s3 tma" in repr(pinned)
+    assert attnzoo.get("numpy_ref", block_m=32).block_m == 32
+    with pytest.raises(TypeError, match="'block'"):
+        attnzoo.get("torch_fa2", block=32)
+    with pytest.raises(TypeError, match="'delta'"):
+        attnzoo.get("triton_2kernel", delta="recompute")
+    with pytest.raises(ValueError, match="'atomic'"):
+        attnzoo.get("triton_2kernel", configs={"atomic": "64x64 w4 s2"})
+    with pytest.raises(ValueError, match="kernel config"):
+        attnzoo.get("triton_2kernel", configs={"forward": "64 by 64"})
+
+
+def test_problem_carries_seqlens_k():
+    q = torch.randn(2, 1, 4, 8)
+    sl = torch.tensor([4, 1])
+    problem = attnzoo.validation.validate_forward(q, q, q, True, None, sl)
+    assert problem.seqlens_k is sl and problem.has_seqlens_k
+    assert not attnzoo.validation.validate_forward(q, q, q).has_seqlens_k
+
+
+def test_disk_cache_round_trip_and_merge(tuner, tmp_path):
+    cfg = KernelConfig(64, 64, 4, 3)
+    tuner.store.save(H100, tuning.key_text(OFF_GRID_KEY), cfg)
+    # Another process wrote another key meanwhile: both survive the next write.
+    other = Autotuner().store
+    other.save(H100, "dq BLOCK_D=64 float16 causal=True seqlens=False Nq<=64 Nk<=64 dot=ieee", cfg)
+    tuner.store.save(H100, tuning.key_text(GRID_KEY), cfg)
+    files = list(tmp_path.glob("tuning_*.json"))
+    assert len(files) == 1 and "sm90" in files[0].name and "triton-3.6.0" in files[0].name
+    data = json.loads(files[0].read_text())
+    assert data["gpu"] == H100.name and data["capability"] == [9, 0] and len(data["winners"]) == 3
+    fresh = Autotuner().store  # a later process reads them
+    assert fresh.winners(H100)[tuning.key_text(OFF_GRID_KEY)] == str(cfg)
+    assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
+
+
+def test_a_corrupt_cache_file_is_ignored_with_one_warning(tuner, tmp_path):
+    tuning.cache_file(H100).write_text("{not json")
+    tuner.choose = _no_timing
+    configs = tuning.CANDIDATES["forward"]
+    with pytest.warns(UserWarning, match="unreadable tuning cache"):
+        cfg = tuning.launch_with_best(OFF_GRID_KEY, lambda: configs, lambda c: None)
+    assert cfg == tuning.heuristic_pick("forward", 128, configs)
+    tuner.store.save(H100, tuning.key_text(OFF_GRID_KEY), cfg)  # replaced by a readable file
+    assert json.loads(tuning.cache_file(H100).read_text())["winners"]
+
+
+def test_the_shipped_table_is_used_on_its_gpu_only(tuner, monkeypatch):
+    tuner.choose = _no_timing
+    configs = tuning.CANDIDATES["forward"]
+    shipped = tuning.shipped_winners(H100)[tuning.key_text(GRID_KEY)]
+    assert tuning.launch_with_best(GRID_KEY, lambda: configs, lambda c: None) == KernelConfig.parse(shipped)
+    assert tuning.chosen_configs()[tuning.key_text(GRID_KEY)] == (shipped, "shipped")
+    monkeypatch.setattr(tuning, "AUTOTUNER", Autotuner())
+    monkeypatch.setattr(tuning, "_device_identity", lambda index: OTHER_GPU)
+    tuning.AUTOTUNER.choose = _no_timing
+    heuristic = tuning.heuristic_pick("forward", 128, configs)
+    assert tuning.launch_with_best(GRID_KEY, lambda: configs, lambda c: None) == heuristic
+    assert tuning.chosen_configs()[tuning.key_text(GRID_KEY)][1] == "heuristic"
+
+
+def test_without_a_winner_the_heuristic_pick_runs_untimed(tuner, monkeypatch):
+    configs = [c for c in tuning.CANDIDATES["forward"] if not c.gluon]
+    for setting in (None, "0"):
+        if setting is not None:
+            monkeypatch.setenv("ATTNZOO_AUTOTUNE", setting)
+        tuner.best.clear()
+        tuner.choose = _no_timing
+        launched = []
+        cfg = tuning.launch_with_best(OFF_GRID_KEY, lambda: configs, launched.append)
+        assert launched == [cfg] == [KernelConfig(128, 128, 8, 3)]  # the D = 128 rule without Gluon
+    assert not list(Path(os.environ["ATTNZOO_CACHE_DIR"]).glob("*.json"))  # heuristic picks are not stored
+
+
+def test_tuning_when_asked_resets_before_every_launch_and_stores_the_winner(tuner, monkeypatch):
+    monkeypatch.setenv("ATTNZOO_AUTOTUNE", "1")
+    configs = [KernelConfig(64, 64, 4, 2), KernelConfig(128, 64, 8, 2)]
+    events: list = []
+    tuner.choose = _fake_timing(configs[1], events)
+    buffer = torch.zeros(1)
+
+    def launch(cfg):  # accumulates like the atomic backward: a launch without its reset would double the sum
+        buffer.add_(1.0)
+        events.append(("launch", float(buffer)))
+
+    def reset():
+        buffer.zero_()
+
+    key = ("atomic:preprocess", 64, torch.float16, True, False, 64, 64, "ieee", 0)
+    assert tuning.launch_with_best(key, lambda: configs, launch, reset) == configs[1]
+    assert all(value == 1.0 for kind, value in events if kind == "launch") and float(buffer) == 1.0
+    assert Autotuner().store.winners(H100)[tuning.key_text(key)] == str(configs[1])
+    # A later process finds it on disk and times nothing.
+    monkeypatch.setattr(tuning, "AUTOTUNER", Autotuner())
+    tuning.AUTOTUNER.choose = _no_timing
+    assert tuning.launch_with_best(key, lambda: configs, launch, reset) == configs[1]
+
+
+def test_autotuning_context_times_despite_stored_winners(tuner):
+    configs = tuning.CANDIDATES["forward"]
+    tuner.choose = _no_timing
+    shipped = tuning.launch_with_best(GRID_KEY, lambda: configs, lambda c: None)
+    events: list = []
+    winner = KernelConfig(64, 64, 4, 3)
+    assert winner != shipped
+    tuner.choose = _fake_timing(winner, events)
+    with tuning.autotuning():
+        assert tuning.launch_with_best(GRID_KEY, lambda: configs, lambda c: None, lambda: None) == winner
+    assert events and tuner.sources[GRID_KEY] == "timed"
+    assert tuner.store.winners(H100)[tuning.key_text(GRID_KEY)] == str(winner)
+    with tuning.autotuning(enabled=False):
+        assert not tuning.autotune_enabled()
+
+
+def test_shipped_table_reads_back_from_the_logs(tmp_path):
+    """The shipped H100 table is what bench/ship_tuning.py makes of the committed logs, and its configs are all
+    current candidates."""
+    logs = [ROOT / "bench" / "results" / f"h100_bench_{d}.log" for d in ("fp16", "bf16")]
+    out = tmp_path / "table.json"
+    winners = tuning.write_shipped_table(logs, H100.name, out)
+    shipped = json.loads((ROOT / "attnzoo" / "tuning_data" / "nvidia-h100-80gb-hbm3.json").read_text())
+    assert shipped["gpu"] == H100.name and shipped["winners"] == winners and len(winners) == 200
+    for text, cfg in winners.items():
+        assert KernelConfig.parse(cfg) in tuning.CANDIDATES[text.split()[0].split(":")[0]], (text, cfg)
+
+
+def test_import_without_triton():
+    """attnzoo imports and runs its PyTorch backends where Triton is not installed; the Triton backends stay
+    registered and say why they cannot run."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, attnzoo\n"
+        "assert 'triton_2kernel' in attnzoo.names() and 'triton_atomic' in attnzoo.names()\n"
+        "q = torch.randn(1, 2, 8, 16)\n"
+        "o = attnzoo.attention(q, q, q, causal=True, backend='torch_fa2')\n"
+        "assert o.shape == q.shape\n"
+        "for name in ('triton_2kernel', 'triton_atomic'):\n"
+        "    reasons = attnzoo.get(name).not_supported_reasons(q, q, q)\n"
+        "    assert reasons and reasons[0].startswith('Triton is not installed'), reasons\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
