@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 import attnzoo
-from attnzoo.backends._tiles import tile_is_empty
+from attnzoo.backends import tile_is_empty
 
 Tensor = torch.Tensor
 
@@ -91,7 +91,7 @@ def geometric_skip_ratio(
     """Fraction of ``block_m x block_n`` tiles of the score matrix that are fully masked.
 
     Computed from the causal/padding geometry with the kernel's block sizes (the same test the blocked
-    backends use to skip a tile, :func:`attnzoo.backends._tiles.tile_is_empty`), averaged over the batch.
+    backends use to skip a tile, :func:`attnzoo.backends.tile_is_empty`), averaged over the batch.
     """
     lengths = seqlens_k if seqlens_k is not None else [n_k]
     total = skipped = 0
