@@ -8,9 +8,11 @@ property tests all read that one declaration.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -74,6 +76,8 @@ class Backend:
 
     name: str = ""
     capabilities: Capabilities
+    # The constructor options of a variant built by ``get(name, **options)``; empty for the registered instance.
+    options: Mapping[str, Any] = MappingProxyType({})
 
     # -- support -------------------------------------------------------------------------------------
     def reasons_for(self, problem: Problem) -> list[str]:
@@ -188,7 +192,8 @@ class Backend:
         raise NotImplementedError
 
     def __repr__(self) -> str:
-        return f"<attnzoo backend {self.name}>"
+        options = "".join(f" {key}={value!r}" for key, value in self.options.items())
+        return f"<attnzoo backend {self.name}{options}>"
 
 
 def _is_empty(problem: Problem) -> bool:
@@ -236,11 +241,42 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
-def get(name: str) -> Backend:
-    """The backend registered under ``name``."""
+def option_names(backend_cls: type[Backend]) -> list[str]:
+    """The keyword options a backend class's constructor takes (``get(name, **options)`` accepts these)."""
+    if backend_cls.__init__ is object.__init__:
+        return []
+    params = list(inspect.signature(backend_cls.__init__).parameters.values())[1:]  # after self
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+_VARIANTS: dict[tuple[str, str], Backend] = {}
+
+
+def get(name: str, **options: Any) -> Backend:
+    """The backend registered under ``name``; with ``options``, a variant of it.
+
+    ``get("triton_atomic", delta="recompute")`` is ``type(get("triton_atomic"))(delta="recompute")``, built once
+    per distinct options and then returned again; its ``repr`` shows the options.  An option the backend's
+    constructor does not take is a ``TypeError`` naming it.
+    """
     if not isinstance(name, str):
         raise TypeError(f"backend name must be a str, got {type(name).__name__}")
     try:
-        return _REGISTRY[name]
+        registered = _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(_REGISTRY)}") from None
+    if not options:
+        return registered
+    accepted = option_names(type(registered))
+    unknown = [key for key in options if key not in accepted]
+    if unknown:
+        raise TypeError(
+            f"backend {name!r} has no option {', '.join(map(repr, unknown))}; "
+            f"its options: {', '.join(accepted) or 'none'}"
+        )
+    key = (name, repr(sorted(options.items())))  # repr: option values may be unhashable (a dict of configs)
+    if key not in _VARIANTS:
+        variant = type(registered)(**options)
+        variant.options = MappingProxyType(dict(options))
+        _VARIANTS[key] = variant
+    return _VARIANTS[key]
