@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..kernels.tuning import AUTOTUNER
+from ..testing import random_inputs
 from . import impls as impl_registry
 from . import timing
 from .machine import machine_info, machine_tag
@@ -197,19 +198,12 @@ def build_grid(args: argparse.Namespace) -> list[Case]:
 
 def make_inputs(case: Case, device: torch.device, seed: int) -> impl_registry.Inputs:
     """Fresh standard-normal q, k, v, do for one case (never zeros), seeded by the case for reproducibility."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(zlib.crc32(f"{seed}:{case}".encode()))
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, device=device, dtype=case.dtype)
-
-    q = randn(case.B, case.H, case.N, case.D)
-    k, v = randn(case.B, case.Hkv, case.N, case.D), randn(case.B, case.Hkv, case.N, case.D)
-    do = randn(case.B, case.H, case.N, case.D) if case.train else None
-    seqlens = None
-    if case.seqlen_k < case.N:
-        seqlens = torch.full((case.B,), case.seqlen_k, dtype=torch.int32, device=device)
-    return impl_registry.Inputs(q, k, v, do, case.causal, seqlens)
+    seqlens = [case.seqlen_k] * case.B if case.seqlen_k < case.N else None
+    x = random_inputs(
+        case.B, case.H, case.Hkv, case.N, case.N, case.D, dtype=case.dtype, device=device,
+        seed=zlib.crc32(f"{seed}:{case}".encode()), seqlens_k=seqlens, with_do=case.train,
+    )  # fmt: skip
+    return impl_registry.Inputs(x.q, x.k, x.v, x.do, case.causal, x.seqlens_k)
 
 
 class TooSlowError(Exception):
