@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import oracle
+from . import oracle, testing
 from .backend import Backend, get, names
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -70,22 +70,17 @@ def _case(args: argparse.Namespace) -> tuple[dict, str]:
     return shape, device
 
 
-def _inputs(shape: dict, device: str, args: argparse.Namespace) -> dict:
-    gen = torch.Generator().manual_seed(args.seed)
-    dtype = DTYPES[shape["dtype"]]
-
-    def randn(*size):
-        return torch.randn(*size, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
-
-    B, H, Hkv, Nq, Nk, D = (shape[k] for k in ("B", "H", "Hkv", "Nq", "Nk", "D"))
+def _inputs(shape: dict, device: str, args: argparse.Namespace) -> testing.AttentionInputs:
+    B, Nk = shape["B"], shape["Nk"]
     seqlens = None
     if args.seqlens_k == "random":
-        seqlens = torch.randint(0, Nk + 1, (B,), generator=gen, dtype=torch.int32).to(device)
+        seqlens = torch.randint(0, Nk + 1, (B,), generator=torch.Generator().manual_seed(args.seed)).tolist()
     elif args.seqlens_k:
-        seqlens = torch.tensor([int(s) for s in args.seqlens_k.split(",")], dtype=torch.int32, device=device)
-    return dict(
-        q=randn(B, H, Nq, D), k=randn(B, Hkv, Nk, D), v=randn(B, Hkv, Nk, D), do=randn(B, H, Nq, D), seqlens_k=seqlens
-    )
+        seqlens = [int(s) for s in args.seqlens_k.split(",")]
+    return testing.random_inputs(
+        B, shape["H"], shape["Hkv"], shape["Nq"], Nk, shape["D"],
+        dtype=DTYPES[shape["dtype"]], device=device, seed=args.seed, seqlens_k=seqlens,
+    )  # fmt: skip
 
 
 def _timed(fn: Callable[[], tuple], device: str, repeat: int) -> tuple[tuple, float]:
@@ -122,38 +117,38 @@ def _peak_mb(fn: Callable[[], tuple], device: str, numpy_backend: bool) -> float
     return peak / 2**20
 
 
-def run_backend(backend: Backend, x: dict, causal: bool, scale: float | None, device: str, repeat: int, ref, base):
-    """One table row: support, errors vs the oracle, times and peak memory of forward + backward."""
+def run_backend(
+    backend: Backend,
+    x: testing.AttentionInputs,
+    causal: bool,
+    scale: float | None,
+    device: str,
+    repeat: int,
+    judge: testing.Oracle | None,
+) -> Row:
+    """One table row: support, errors vs the oracle (``judge``, run once on ``x`` for every backend), times and
+    peak memory of forward + backward."""
     row = Row(backend.name)
-    kw = dict(causal=causal, scale=scale, seqlens_k=x["seqlens_k"])
+    kw = dict(causal=causal, scale=scale, seqlens_k=x.seqlens_k)
     try:
-        row.reasons = backend.not_supported_reasons(x["q"], x["k"], x["v"], **kw)
+        row.reasons = backend.not_supported_reasons(x.q, x.k, x.v, **kw)
     except ValueError as exc:  # beyond the backend's limits, e.g. its largest head dim
         row.reasons = [str(exc)]
     if row.reasons:
         return row
     try:
-        (o, lse), row.fwd_ms = _timed(lambda: backend.forward(x["q"], x["k"], x["v"], **kw), device, repeat)
-        grads, row.bwd_ms = _timed(
-            lambda: backend.backward(x["do"], x["q"], x["k"], x["v"], o, lse, **kw), device, repeat
-        )
+        (o, lse), row.fwd_ms = _timed(lambda: backend.forward(x.q, x.k, x.v, **kw), device, repeat)
+        grads, row.bwd_ms = _timed(lambda: backend.backward(x.do, x.q, x.k, x.v, o, lse, **kw), device, repeat)
         row.peak_mb = _peak_mb(
-            lambda: backend.backward(
-                x["do"], x["q"], x["k"], x["v"], *backend.forward(x["q"], x["k"], x["v"], **kw), **kw
-            ),
+            lambda: backend.backward(x.do, x.q, x.k, x.v, *backend.forward(x.q, x.k, x.v, **kw), **kw),
             device,
             backend.capabilities.accepts_numpy,
         )
     except Exception as exc:  # a crash is a failed row, not a crashed comparison
         row.error = f"{type(exc).__name__}: {exc}"
         return row
-    dtype = x["q"].dtype
     # Judged with Delta from the o this backend's backward was handed (see oracle.contract_errors).
-    contract = oracle.contract_errors(x["q"], x["k"], x["v"], x["do"], ref, stored_o=o, **kw)
-    for name, got in zip(OUTPUTS, (o, lse, *grads), strict=True):
-        row.checks[name] = oracle.check_output(
-            name, got, getattr(ref, name), None if base is None else getattr(base, name), dtype, contract.get(name, 0.0)
-        )
+    row.checks = judge.check(dict(zip(OUTPUTS, (o, lse, *grads), strict=True)))
     return row
 
 
@@ -185,17 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     selected = names() if not args.backends else [s.strip() for s in args.backends.split(",")]
     backends = [get(name) for name in selected]  # an unknown name fails here, listing the known ones
     x = _inputs(shape, device, args)
-    kw = dict(causal=args.causal, scale=args.scale, seqlens_k=x["seqlens_k"])
-    ref = oracle.reference(x["q"], x["k"], x["v"], x["do"], **kw)
-    low = x["q"].dtype in oracle.LOW_PRECISION
-    base = oracle.plain_torch(x["q"], x["k"], x["v"], x["do"], **kw) if low else None
-    seq = "" if x["seqlens_k"] is None else f", seqlens_k={x['seqlens_k'].tolist()}"
+    judge = testing.oracle_for(x, args.causal, args.scale)
+    seq = "" if x.seqlens_k is None else f", seqlens_k={x.seqlens_k.tolist()}"
     print(
         f"case: B={shape['B']} H={shape['H']} Hkv={shape['Hkv']} Nq={shape['Nq']} Nk={shape['Nk']} D={shape['D']} "
         f"{shape['dtype']} causal={args.causal}{seq} on {device}; errors are max |backend - float64 oracle|, "
         f"(x bound) their ratio to SPEC.md's bound"
     )
-    rows = [run_backend(b, x, args.causal, args.scale, device, args.repeat, ref, base) for b in backends]
+    rows = [run_backend(b, x, args.causal, args.scale, device, args.repeat, judge) for b in backends]
     print(format_table(rows))
     failed = [r.backend for r in rows if not r.reasons and not r.ok]
     if failed:

@@ -3,7 +3,9 @@
 ``reference`` computes in float64 on the CPU and is the judge of every backend; ``plain_torch`` runs
 the same textbook formulas in the inputs' own dtype (what "plain PyTorch" gives) and sets the error
 budget of low-precision results (SPEC.md: at most 2x its error, plus a small slack).  Both hold the
-whole ``[B, H, Nq, Nk]`` score matrix, so they are for tests and ``compare``, never for large N.
+whole ``[B, H, Nq, Nk]`` score matrix, so they are for tests and ``compare``; ``reference_chunked`` and
+``plain_torch_chunked`` compute the same one head at a time, for the GPU tests' long sequences.
+``attnzoo.testing`` runs them on a backend's outputs.
 """
 
 from __future__ import annotations
@@ -139,6 +141,74 @@ def plain_torch(q, k, v, do=None, causal: bool = False, scale: float | None = No
     return result
 
 
+def _by_head(compute, q, k, v, do, seqlens_k, stored_o, device) -> Result:
+    """``compute(q, k, v, do, seqlens_k, stored_o)`` on one (batch, query head) at a time, assembled into one
+    :class:`Result` on ``device``: o, dq float64 per query head, dk and dv summed over each K/V group in float64."""
+    q, k, v = (_as_torch(x) for x in (q, k, v))
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    group = H // Hkv
+    f64 = dict(dtype=torch.float64, device=device)
+    result = Result(o=torch.zeros(B, H, Nq, Dv, **f64), lse=torch.zeros(B, H, Nq, dtype=torch.float32, device=device))
+    if do is not None:
+        result.dq, result.dk, result.dv = (
+            torch.zeros(B, H, Nq, D, **f64),
+            torch.zeros(B, Hkv, Nk, D, **f64),
+            torch.zeros(B, Hkv, Nk, Dv, **f64),
+        )
+    lengths = None if seqlens_k is None else _as_torch(seqlens_k)
+    for b in range(B):
+        for h in range(H):
+            kv, one = h // group, (slice(b, b + 1), slice(h, h + 1))
+            part = compute(
+                q[one],
+                k[b : b + 1, kv : kv + 1],
+                v[b : b + 1, kv : kv + 1],
+                None if do is None else _as_torch(do)[one],
+                None if lengths is None else lengths[b : b + 1],
+                None if stored_o is None else _as_torch(stored_o)[one],
+            )
+            result.o[b, h] = part.o[0, 0]
+            result.lse[b, h] = part.lse[0, 0]
+            if do is not None:
+                result.dq[b, h] = part.dq[0, 0]
+                result.dk[b, kv] += part.dk[0, 0].double()
+                result.dv[b, kv] += part.dv[0, 0].double()
+    return result
+
+
+def reference_chunked(
+    q,
+    k,
+    v,
+    do=None,
+    causal: bool = False,
+    scale: float | None = None,
+    seqlens_k=None,
+    stored_dtype=None,
+    device: torch.device | str = "cuda",
+    stored_o=None,
+) -> Result:
+    """:func:`reference` computed one (batch, query head) at a time on ``device``: it holds the ``[Nq, Nk]`` float64
+    matrices of one head only, so that it judges lengths whose whole score matrix would not fit (the GPU tests run
+    it at N = 16k).  Same arguments and results as :func:`reference`."""
+
+    def one_head(q1, k1, v1, do1, lengths, stored_o1):
+        return reference(q1, k1, v1, do1, causal, scale, lengths, stored_dtype, device, stored_o1)
+
+    return _by_head(one_head, q, k, v, do, seqlens_k, stored_o, device)
+
+
+def plain_torch_chunked(q, k, v, do=None, causal: bool = False, scale: float | None = None, seqlens_k=None) -> Result:
+    """:func:`plain_torch` computed one (batch, query head) at a time, on the inputs' device; the results are stored
+    in float64 (each head's as plain PyTorch rounded it), dk and dv summed over the group in float64."""
+
+    def one_head(q1, k1, v1, do1, lengths, _):
+        return plain_torch(q1, k1, v1, do1, causal, scale, lengths)
+
+    return _by_head(one_head, q, k, v, do, seqlens_k, None, _as_torch(q).device)
+
+
 # -- SPEC.md's error rule -------------------------------------------------------------------------------------
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -202,13 +272,13 @@ def check_output(name: str, got, ref: Tensor, baseline, dtype: torch.dtype, cont
     ``baseline`` is :func:`plain_torch`'s same output (needed for float16/bfloat16).  NaN anywhere fails;
     for ``lse`` the rows with no visible key must be exactly ``-inf`` and are left out of the error.
     """
-    got = _as_torch(got).detach().cpu().double()
+    got = _as_torch(got).detach().to(ref.device).double()
     if got.shape != ref.shape:
         return Check(float("inf"), 0.0, f"shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
     if torch.isnan(got).any():
         return Check(float("nan"), 0.0, f"NaN in {int(torch.isnan(got).sum())} elements")
     if baseline is not None:
-        baseline = _as_torch(baseline).detach().cpu().double()
+        baseline = _as_torch(baseline).detach().to(ref.device).double()
     if name == "lse":
         no_key = torch.isneginf(ref)
         if not torch.equal(torch.isneginf(got), no_key):
@@ -222,7 +292,7 @@ def check_output(name: str, got, ref: Tensor, baseline, dtype: torch.dtype, cont
 
 
 def contract_errors(
-    q, k, v, do, exact: Result, causal: bool = False, scale=None, seqlens_k=None, stored_o=None
+    q, k, v, do, exact: Result, causal: bool = False, scale=None, seqlens_k=None, stored_o=None, chunked: bool = False
 ) -> dict[str, float]:
     """Per gradient, the max change of the exact result when Delta comes from the stored ``o`` (see
     :func:`reference`'s ``stored_dtype``): the backend's own ``o`` when ``stored_o`` is given (what its backward
@@ -230,12 +300,14 @@ def contract_errors(
 
     Any backend that follows the contract (forward returns ``o`` in the input dtype, backward receives it) carries
     this error in dq and dk.  It can exceed plain PyTorch's own error when dS = P (dP - Delta) is small against
-    dP, e.g. with few keys per row, where it is pure cancellation.  Not needed for float64.
+    dP, e.g. with few keys per row, where it is pure cancellation.  Not needed for float64.  ``chunked``: computed
+    with :func:`reference_chunked`, for an ``exact`` from it.
     """
     dtype = _as_torch(q).dtype
     if dtype == torch.float64:
         return {}
-    stored = reference(
+    compute = reference_chunked if chunked else reference
+    stored = compute(
         q, k, v, do, causal, scale, seqlens_k, stored_dtype=dtype, device=exact.o.device, stored_o=stored_o
     )
     return {

@@ -10,7 +10,7 @@ set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/attnzoo_out}
 mkdir -p "$OUT"
-IMPLS=${IMPLS:-triton_2kernel,triton_atomic,triton_atomic_recompute,sdpa_flash,sdpa_cudnn,flex_attention}
+IMPLS=${IMPLS:-triton_2kernel,triton_atomic,triton_atomic:delta=recompute,sdpa_flash,sdpa_cudnn,flex_attention}
 case "$1" in
 grid)
     dtype=${2:-fp16}

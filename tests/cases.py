@@ -8,7 +8,7 @@ import torch
 from hypothesis import strategies as st
 
 import attnzoo
-from attnzoo import oracle
+from attnzoo import oracle, testing
 from attnzoo.backend import REQUIRED_FEATURES, triton_interpreter_active
 
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
@@ -38,31 +38,16 @@ class Case:
     causal: bool
     seqlens_k: tuple[int, ...] | None
     dtype: torch.dtype
-    layout: str  # "contiguous", "bnhd" (transposed view), "padded" (slice of a wider tensor), "broadcast" (stride 0)
+    layout: str  # one of attnzoo.testing.LAYOUTS
     scale: float | None
     seed: int
 
-    def make(self, device: str = "cpu") -> dict:
+    def make(self, device: str = "cpu") -> testing.AttentionInputs:
         """Fresh random inputs for this case (never zeros), laid out as ``layout`` says."""
-        gen = torch.Generator().manual_seed(self.seed)
-
-        def rand(b, h, n, d):
-            if self.layout == "bnhd":  # [B, N, H, D] memory, viewed as [B, H, N, D]
-                x = torch.randn(b, n, h, d, generator=gen, dtype=torch.float64).transpose(1, 2)
-            elif self.layout == "padded":  # every row has 8 extra elements the kernel must not read
-                x = torch.randn(b, h, n, d + 8, generator=gen, dtype=torch.float64)[..., 3 : 3 + d]
-            elif self.layout == "broadcast":  # one head expanded over all heads: head stride 0
-                x = torch.randn(b, 1, n, d, generator=gen, dtype=torch.float64).expand(b, h, n, d)
-            else:
-                x = torch.randn(b, h, n, d, generator=gen, dtype=torch.float64)
-            return x.to(device=device, dtype=self.dtype)
-
-        q = rand(self.batch, self.heads, self.seqlen_q, self.head_dim)
-        k = rand(self.batch, self.kv_heads, self.seqlen_k, self.head_dim)
-        v = rand(self.batch, self.kv_heads, self.seqlen_k, self.head_dim)
-        do = rand(self.batch, self.heads, self.seqlen_q, self.head_dim)
-        seqlens = None if self.seqlens_k is None else torch.tensor(self.seqlens_k, dtype=torch.int32, device=device)
-        return dict(q=q, k=k, v=v, do=do, seqlens_k=seqlens)
+        return testing.random_inputs(
+            self.batch, self.heads, self.kv_heads, self.seqlen_q, self.seqlen_k, self.head_dim,
+            dtype=self.dtype, device=device, seed=self.seed, seqlens_k=self.seqlens_k, layout=self.layout,
+        )  # fmt: skip
 
     @property
     def mask_kwargs(self) -> dict:
@@ -126,31 +111,21 @@ def backend_features_ok(backend_name: str) -> set[str]:
     return set(REQUIRED_FEATURES) - set(attnzoo.get(backend_name).capabilities.features)
 
 
-def assert_close(name: str, got, ref: torch.Tensor, baseline, dtype: torch.dtype, contract_error: float = 0.0) -> float:
-    """Check ``got`` against the float64 oracle under SPEC.md's rule; return ``error / bound`` (<= 1 passes)."""
-    check = oracle.check_output(name, got, ref, baseline, dtype, contract_error)
-    assert check.ok, f"{name}: {check.message} ({dtype})"
-    return check.ratio
-
-
 def run_and_check(backend: attnzoo.Backend, case: Case, device: str = "cpu") -> dict[str, float]:
     """Run forward and backward of ``backend`` on ``case`` and check all five outputs; return error ratios."""
     x = case.make(device)
-    kw = dict(causal=case.causal, scale=case.scale, seqlens_k=x["seqlens_k"])
-    before = {key: val.clone() for key, val in x.items() if val is not None}
-    o, lse = backend.forward(x["q"], x["k"], x["v"], **kw)
+    before = {key: val.clone() for key, val in vars(x).items() if val is not None}
+    kw = dict(causal=case.causal, scale=case.scale, seqlens_k=x.seqlens_k)
+    o, lse = backend.forward(x.q, x.k, x.v, **kw)
     o_before, lse_before = o.clone(), lse.clone()
-    dq, dk, dv = backend.backward(x["do"], x["q"], x["k"], x["v"], o, lse, **kw)
+    dq, dk, dv = backend.backward(x.do, x.q, x.k, x.v, o, lse, **kw)
+    outputs = dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv)
     for key, val in before.items():
-        assert torch.equal(x[key], val), f"input {key} was modified"
+        assert torch.equal(getattr(x, key), val), f"input {key} was modified"
     assert torch.equal(o, o_before) and torch.equal(lse, lse_before), "backward modified its o or lse input"
-    assert o.dtype == case.dtype and dq.dtype == case.dtype and dk.dtype == case.dtype and dv.dtype == case.dtype
+    assert all(outputs[name].dtype == case.dtype for name in ("o", "dq", "dk", "dv"))
     assert lse.dtype == torch.float32 and tuple(lse.shape) == (case.batch, case.heads, case.seqlen_q)
-    ref = oracle.reference(x["q"], x["k"], x["v"], x["do"], **kw)
-    base = oracle.plain_torch(x["q"], x["k"], x["v"], x["do"], **kw) if case.dtype in LOW_PRECISION else None
-    contract = oracle.contract_errors(x["q"], x["k"], x["v"], x["do"], ref, stored_o=o, **kw)
-    ratios = {}
-    for name, got in (("o", o), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
-        baseline = None if base is None else getattr(base, name)
-        ratios[name] = assert_close(name, got, getattr(ref, name), baseline, case.dtype, contract.get(name, 0.0))
-    return ratios
+    checks = testing.oracle_for(x, case.causal, case.scale).check(outputs)
+    for name, check in checks.items():
+        assert check.ok, f"{name}: {check.message} ({case.dtype})"
+    return {name: check.ratio for name, check in checks.items()}

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+import attnzoo
 from attnzoo.bench import impls, io_theory, ncu, plot, run, timing
 from attnzoo.bench import io as io_cli
 from attnzoo.bench.schema import COLUMNS, backward_flops, forward_flops, read_csv
@@ -367,3 +369,54 @@ def test_flops_count_only_the_visible_pairs():
     assert forward_flops(1, 1, 8, 16, False, seqlen_k=2) == 4 * 8 * 2 * 16
     assert forward_flops(1, 1, 8, 16, True, seqlen_k=2) == 4 * (2 * 2 / 2 + 6 * 2) * 16
     assert backward_flops(1, 1, 8, 16, True, seqlen_k=2) == 2.5 * forward_flops(1, 1, 8, 16, True, seqlen_k=2)
+
+
+def test_an_impl_spec_names_a_backend_variant_by_its_get_options():
+    assert impls.parse_impl_spec("triton_atomic") == ("triton_atomic", {})
+    assert impls.parse_impl_spec("torch_fa2:block_m=16,block_n=32") == ("torch_fa2", {"block_m": 16, "block_n": 32})
+    assert impls.parse_impl_spec("triton_2kernel:configs.forward=128x64 w8 s3") == (
+        "triton_2kernel",
+        {"configs": {"forward": "128x64 w8 s3"}},
+    )
+    with pytest.raises(ValueError, match="not key=value"):
+        impls.parse_impl_spec("torch_fa2:block_m")
+    impl = impls.get_impl("torch_fa2:block_m=16,block_n=32")
+    assert impl.backend is attnzoo.get("torch_fa2", block_m=16, block_n=32)
+    assert impl.name == "torch_fa2:block_m=16,block_n=32"
+    with pytest.raises(TypeError, match="no option 'blockm'"):
+        impls.get_impl("torch_fa2:blockm=16")
+    with pytest.raises(ValueError, match="takes no options"):
+        impls.get_impl("sdpa_math:block_m=16")
+
+
+def test_impl_lists_keep_the_options_of_each_spec_together():
+    text = "numpy_ref,torch_fa2:block_m=16,block_n=32,sdpa_math,triton_atomic:delta=recompute"
+    assert impls.split_impl_list(text) == [
+        "numpy_ref",
+        "torch_fa2:block_m=16,block_n=32",
+        "sdpa_math",
+        "triton_atomic:delta=recompute",
+    ]
+
+
+def test_the_recompute_variant_keeps_the_label_of_the_committed_grids():
+    """bench/results' H100 CSVs call triton_atomic:delta=recompute triton_atomic_recompute; the plots and the README
+    table count it among our impls."""
+    assert impls.impl_label("triton_atomic:delta=recompute") == "triton_atomic_recompute"
+    assert impls.impl_label("numpy_ref:block_m=16") == "numpy_ref:block_m=16"
+    rows = read_csv(Path(__file__).resolve().parent.parent / "bench/results/h100_bench_fp16.csv")
+    assert "triton_atomic_recompute" in {r["impl"] for r in rows}
+    header = plot.readme_table(rows, [16384], ["triton_2kernel", "triton_atomic_recompute", "sdpa_flash"])
+    assert "triton_atomic_recompute fwd/bwd" in header.splitlines()[0]
+
+
+def test_a_variant_runs_in_the_grid_under_its_label(tmp_path):
+    out = tmp_path / "variants.csv"
+    argv = [*TINY, "--N", "64", "--B", "1", "--H", "1", "--causal", "yes", "--mode", "fwd"]
+    assert run.main([*argv, "--impl", "numpy_ref,numpy_ref:block_m=16,block_n=16", "--out", str(out)]) == 0
+    rows = {r["impl"]: r for r in read_csv(out)}
+    assert set(rows) == {"numpy_ref", "numpy_ref:block_m=16,block_n=16"}
+    assert all(r["status"] == "ok" for r in rows.values())
+    # The variant's own blocks: 16 x 16 tiles at N = 64 causal skip 6 of 16, 64 x 64 tiles skip none.
+    assert rows["numpy_ref:block_m=16,block_n=16"]["skip_ratio"] == 6 / 16
+    assert rows["numpy_ref"]["skip_ratio"] == 0.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import attnzoo
-from attnzoo import compare
+from attnzoo import compare, testing
 from attnzoo.__main__ import main as cli_main
 
 SMALL = ["--B", "1", "--H", "4", "--Hkv", "2", "--Nq", "40", "--Nk", "56", "--D", "16", "--repeat", "1"]
@@ -35,22 +35,9 @@ def test_compare_fails_on_a_wrong_backend(capsys, monkeypatch):
 
 def test_compare_reports_why_a_backend_cannot_run(capsys):
     assert compare.main([*SMALL, "--dtype", "float64", "--backends", "numpy_ref"]) == 0
-    rows = compare.run_backend(
-        attnzoo.get("numpy_ref"),
-        dict(
-            q=torch.zeros(1, 1, 2, 4, device="meta"),
-            k=torch.zeros(1, 1, 2, 4, device="meta"),
-            v=torch.zeros(1, 1, 2, 4, device="meta"),
-            do=None,
-            seqlens_k=None,
-        ),
-        False,
-        None,
-        "cpu",
-        1,
-        None,
-        None,
-    )
+    meta = [torch.zeros(1, 1, 2, 4, device="meta") for _ in range(3)]
+    inputs = testing.AttentionInputs(*meta, do=None, seqlens_k=None)
+    rows = compare.run_backend(attnzoo.get("numpy_ref"), inputs, False, None, "cpu", 1, None)
     assert rows.reasons and "device meta" in rows.reasons[0]
     assert "unsupported: device meta" in compare.format_table([rows])
 

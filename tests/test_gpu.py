@@ -1,7 +1,7 @@
 """GPU tests of the Triton backends (``pytest -m gpu``; skipped without CUDA).
 
-Large shapes are judged by SPEC.md's rule against the float64 oracle's own formulas (``attnzoo.oracle``) run
-*on the GPU in float64*, one (batch, query head) at a time so that the N x N score matrix fits; the low-precision
+Large shapes are judged by SPEC.md's rule against the float64 oracle run *on the GPU in float64*, one (batch, query
+head) at a time so that the N x N score matrix fits (``attnzoo.oracle.reference_chunked``); the low-precision
 baseline ("plain PyTorch in the input dtype") is computed the same way.  Small shapes use the CPU oracle.
 """
 
@@ -20,6 +20,7 @@ from attnzoo.kernels.backward_2kernel import attention_backward_2kernel
 from attnzoo.kernels.forward import attention_forward
 from attnzoo.kernels.launch import KernelVariant, PreparedCall, prepare
 from attnzoo.kernels.tuning import CANDIDATES, candidates, head_dim_tile
+from attnzoo.testing import AttentionInputs, oracle_for, random_inputs
 from attnzoo.validation import validate_forward
 
 pytestmark = pytest.mark.gpu
@@ -45,81 +46,16 @@ def _report(line: str) -> None:
 
 
 def _make(B, H, Hkv, Nq, Nk, D, dtype, seqlens=None, seed=0):
-    g = torch.Generator(device=CUDA).manual_seed(seed)
-    q = torch.randn(B, H, Nq, D, device=CUDA, dtype=dtype, generator=g)
-    k = torch.randn(B, Hkv, Nk, D, device=CUDA, dtype=dtype, generator=g)
-    v = torch.randn(B, Hkv, Nk, D, device=CUDA, dtype=dtype, generator=g)
-    do = torch.randn(B, H, Nq, D, device=CUDA, dtype=dtype, generator=g)
-    sl = None if seqlens is None else torch.tensor(seqlens, device=CUDA, dtype=torch.int32)
-    return q, k, v, do, sl
+    x = random_inputs(B, H, Hkv, Nq, Nk, D, dtype=dtype, device=CUDA, seed=seed, seqlens_k=seqlens)
+    return x.q, x.k, x.v, x.do, x.seqlens_k
 
 
 def _gpu_oracle_errors(outputs, q, k, v, do, causal, seqlens):
-    """Max errors of ``outputs`` (o, lse, dq, dk, dv) vs the float64 oracle, computed on the GPU.
-
-    Returns {name: (error, bound)} with SPEC.md's bound (``oracle.bound``: 2x plain PyTorch's error + one rounding
-    unit for fp16/bf16, a fixed tolerance for fp32, plus the contract's Delta error), all relative to
-    max(1, max|ref|).  One (batch, K/V head) at a time, so that the N x N float64 matrices fit.
-    """
-    dtype = q.dtype
-    B, H = q.shape[:2]
-    Hkv = k.shape[1]
-    group = H // Hkv
-    got = dict(zip(NAMES, outputs, strict=True))
-    err, base_err, contract = (dict.fromkeys(NAMES, 0.0) for _ in range(3))
-    mag = dict.fromkeys(NAMES, 1.0)
-
-    def account(name, got_t, ref_t, base_t, stored_t):
-        if name == "lse":
-            no_key = torch.isneginf(ref_t)
-            assert torch.equal(torch.isneginf(got_t), no_key), "lse not -inf exactly on the empty rows"
-            got_t, ref_t = got_t[~no_key], ref_t[~no_key]
-            base_t = None if base_t is None else base_t[~no_key]
-        if ref_t.numel() == 0:
-            return
-        assert not torch.isnan(got_t).any(), f"NaN in {name}"
-        ref_t = ref_t.double()
-        err[name] = max(err[name], float((got_t.double() - ref_t).abs().max()))
-        mag[name] = max(mag[name], float(ref_t.abs().max()))
-        if base_t is not None:
-            base_err[name] = max(base_err[name], float((base_t.double() - ref_t).abs().max()))
-        if stored_t is not None:
-            contract[name] = max(contract[name], float((stored_t - ref_t).abs().max()))
-
-    low_precision = dtype in oracle.LOW_PRECISION
-    for b in range(B):
-        sl = None if seqlens is None else seqlens[b : b + 1]
-        kw = dict(causal=causal, seqlens_k=sl)
-        for hkv in range(Hkv):
-            summed = {key: 0 for key in ("dk", "dv", "dk_base", "dv_base", "dk_stored")}
-            for g in range(group):
-                h = hkv * group + g
-                args = [x[b : b + 1, i : i + 1] for x, i in ((q, h), (k, hkv), (v, hkv), (do, h))]
-                ref = oracle.reference(*args, **kw, device=CUDA)
-                stored_o = got["o"][b : b + 1, h : h + 1]
-                stored = oracle.reference(*args, **kw, stored_dtype=dtype, device=CUDA, stored_o=stored_o)
-                base = oracle.plain_torch(*args, **kw) if low_precision else None
-                for name in ("o", "lse", "dq"):
-                    account(
-                        name,
-                        got[name][b : b + 1, h : h + 1],
-                        getattr(ref, name),
-                        None if base is None else getattr(base, name),
-                        stored.dq if name == "dq" else None,
-                    )
-                summed["dk"] = summed["dk"] + ref.dk
-                summed["dv"] = summed["dv"] + ref.dv
-                summed["dk_stored"] = summed["dk_stored"] + stored.dk
-                if base is not None:
-                    summed["dk_base"] = summed["dk_base"] + base.dk.double()
-                    summed["dv_base"] = summed["dv_base"] + base.dv.double()
-                del ref, stored, base
-            got_kv = {name: got[name][b : b + 1, hkv : hkv + 1] for name in ("dk", "dv")}
-            base_dk = summed["dk_base"] if low_precision else None
-            base_dv = summed["dv_base"] if low_precision else None
-            account("dk", got_kv["dk"], summed["dk"], base_dk, summed["dk_stored"])
-            account("dv", got_kv["dv"], summed["dv"], base_dv, None)
-    return {name: (err[name], oracle.bound(name, dtype, mag[name], base_err[name], contract[name])) for name in NAMES}
+    """{name: (error, bound)} of ``outputs`` (o, lse, dq, dk, dv) under SPEC.md's rule, against the float64 oracle
+    computed on the GPU one (batch, query head) at a time, so that the N x N float64 matrices fit."""
+    judge = oracle_for(AttentionInputs(q, k, v, do, seqlens), causal, device=CUDA, chunked=True)
+    checks = judge.check(dict(zip(NAMES, outputs, strict=True)))  # NaN, or lse not -inf on empty rows: error > bound
+    return {name: (check.error, check.bound) for name, check in checks.items()}
 
 
 def _run(backend, q, k, v, do, causal, sl):
@@ -158,12 +94,8 @@ def test_large_against_gpu_float64_oracle(name, case):
 
 def _small_check(outputs, q, k, v, do, causal, sl):
     """Check five outputs against the CPU float64 oracle (small shapes), as the property tests do."""
-    ref = oracle.reference(q, k, v, do, causal=causal, seqlens_k=sl)
-    base = oracle.plain_torch(q, k, v, do, causal, None, sl) if q.dtype in oracle.LOW_PRECISION else None
-    contract = oracle.contract_errors(q, k, v, do, ref, causal=causal, seqlens_k=sl, stored_o=outputs[0])
-    for name, got in zip(NAMES, outputs, strict=True):
-        baseline = None if base is None else getattr(base, name)
-        check = oracle.check_output(name, got, getattr(ref, name), baseline, q.dtype, contract.get(name, 0.0))
+    checks = oracle_for(AttentionInputs(q, k, v, do, sl), causal).check(dict(zip(NAMES, outputs, strict=True)))
+    for name, check in checks.items():
         assert check.ok, f"{name}: {check.message}"
 
 
@@ -217,14 +149,9 @@ HOPPER_CASES = [
 
 def _hopper_case_inputs(dtype, B, H, Hkv, Nq, Nk, D, layout):
     """q, k, v, do of one HOPPER_CASES entry, fresh random; ``bnhd``: [B, N, H, D] memory seen as [B, H, N, D]."""
-    g = torch.Generator(device=CUDA).manual_seed(Nq * 7 + Nk)
-
-    def make(heads, n):
-        if layout == "bnhd":
-            return torch.randn(B, n, heads, D, device=CUDA, dtype=dtype, generator=g).transpose(1, 2)
-        return torch.randn(B, heads, n, D, device=CUDA, dtype=dtype, generator=g)
-
-    return make(H, Nq), make(Hkv, Nk), make(Hkv, Nk), make(H, Nq)
+    layout = "contiguous" if layout == "bhnd" else layout
+    x = random_inputs(B, H, Hkv, Nq, Nk, D, dtype=dtype, device=CUDA, seed=Nq * 7 + Nk, layout=layout)
+    return x.q, x.k, x.v, x.do
 
 
 def _needs_hopper() -> None:
@@ -242,11 +169,9 @@ def test_gluon_hopper_forward_against_oracle(cfg):
         call = _prepared(q, k, v, D**-0.5, causal, forced={"forward": cfg})
         assert not call.gluon_reasons(KernelVariant.FORWARD), call.gluon_reasons(KernelVariant.FORWARD)
         o, lse = attention_forward(call)
-        ref = oracle.reference(q, k, v, causal=causal, device=CUDA)
-        base = oracle.plain_torch(q, k, v, None, causal)
+        checks = oracle_for(AttentionInputs(q, k, v, None, None), causal, device=CUDA).check({"o": o, "lse": lse})
         errors = []
-        for name, got in (("o", o), ("lse", lse)):
-            check = oracle.check_output(name, got, getattr(ref, name).cpu(), getattr(base, name), dtype)
+        for name, check in checks.items():
             assert check.ok, (
                 f"{cfg} {dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D={D} causal={causal}: {name}: {check.message}"
             )
@@ -267,14 +192,10 @@ def test_gluon_hopper_dkdv_against_oracle(cfg):
         assert not call.gluon_reasons(KernelVariant.DKDV, do), call.gluon_reasons(KernelVariant.DKDV, do)
         o, lse = attention_forward(call)
         dq, dk, dv = attention_backward_2kernel(call, do, o, lse)
-        ref = oracle.reference(q, k, v, do, causal=causal, device=CUDA)
-        base = oracle.plain_torch(q, k, v, do, causal)
-        contract = oracle.contract_errors(q, k, v, do, ref, causal=causal, stored_o=o)
+        judge = oracle_for(AttentionInputs(q, k, v, do, None), causal, device=CUDA)
+        checks = judge.check({"dq": dq, "dk": dk, "dv": dv}, stored_o=o)
         errors = []
-        for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
-            check = oracle.check_output(
-                name, got, getattr(ref, name).cpu(), getattr(base, name), dtype, contract.get(name, 0.0)
-            )
+        for name, check in checks.items():
             assert check.ok, (
                 f"{cfg} {dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D={D} causal={causal}: {name}: {check.message}"
             )

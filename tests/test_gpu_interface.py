@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import attnzoo
+from attnzoo.testing import random_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -19,9 +20,8 @@ def test_auto_prefers_triton_2kernel_on_cuda():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_training_step_matches_sdpa(dtype):
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(2, 8, 1000, 64, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
-    grad_out = torch.randn_like(q)
+    x = random_inputs(2, 8, 8, 1000, 1000, 64, dtype=dtype, device="cuda", seed=0)
+    q, k, v, grad_out = x.q, x.k, x.v, x.do
     results = []
     for fn in (
         lambda a, b, c: attnzoo.attention(a, b, c, causal=True),

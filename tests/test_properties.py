@@ -35,9 +35,9 @@ def test_declares_every_required_feature(name):
 def _run_if_supported(backend: attnzoo.Backend, case: Case) -> bool:
     """Run and check ``case`` if the backend supports it; a refusal must be one SPEC.md allows."""
     x = case.make(DEVICE)
-    reasons = backend.not_supported_reasons(x["q"], x["k"], x["v"], case.causal, case.scale, x["seqlens_k"])
+    reasons = backend.not_supported_reasons(x.q, x.k, x.v, case.causal, case.scale, x.seqlens_k)
     if reasons:
-        problem = validate_forward(x["q"], x["k"], x["v"], case.causal, case.scale, x["seqlens_k"])
+        problem = validate_forward(x.q, x.k, x.v, case.causal, case.scale, x.seqlens_k)
         assert not spec_requires(backend.name, problem), f"{backend.name} refuses a case SPEC.md requires: {reasons}"
         return False
     run_and_check(backend, case, DEVICE)
@@ -74,7 +74,7 @@ def test_refuses_only_what_spec_allows(name, dtype):
     if _run_if_supported(backend, case):
         return
     x = case.make(DEVICE)
-    assert backend.not_supported_reasons(x["q"], x["k"], x["v"], True, 0.7, x["seqlens_k"])
+    assert backend.not_supported_reasons(x.q, x.k, x.v, True, 0.7, x.seqlens_k)
 
 
 EDGE_CASES = {
@@ -132,10 +132,10 @@ def test_fully_masked_rows_give_zero_output_and_gradients(name):
     dtype = F64 if F64 in backend.capabilities.dtypes else torch.float32
     case = Case(2, 2, 1, 9, 9, 16, True, (0, 3), dtype, "contiguous", None, 7)
     x = case.make(DEVICE)
-    if backend.not_supported_reasons(x["q"], x["k"], x["v"], True, None, x["seqlens_k"]):
+    if backend.not_supported_reasons(x.q, x.k, x.v, True, None, x.seqlens_k):
         pytest.skip("not supported here")
-    o, lse = backend.forward(x["q"], x["k"], x["v"], causal=True, seqlens_k=x["seqlens_k"])
-    dq, dk, dv = backend.backward(x["do"], x["q"], x["k"], x["v"], o, lse, causal=True, seqlens_k=x["seqlens_k"])
+    o, lse = backend.forward(x.q, x.k, x.v, causal=True, seqlens_k=x.seqlens_k)
+    dq, dk, dv = backend.backward(x.do, x.q, x.k, x.v, o, lse, causal=True, seqlens_k=x.seqlens_k)
     assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isneginf(lse[0]).all()
     assert torch.equal(dq[0], torch.zeros_like(dq[0]))
     assert torch.equal(dk[0], torch.zeros_like(dk[0])) and torch.equal(dv[0], torch.zeros_like(dv[0]))

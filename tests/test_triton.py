@@ -22,6 +22,7 @@ from attnzoo.kernels import tuning
 from attnzoo.kernels.forward import attention_forward
 from attnzoo.kernels.launch import KernelVariant, PreparedCall, descriptor_loads_possible, int32_addressable, prepare
 from attnzoo.kernels.tuning import Autotuner, KernelConfig
+from attnzoo.testing import AttentionInputs, check_backend, random_inputs
 from attnzoo.validation import validate_forward
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -39,26 +40,15 @@ GEOMETRIES = [
 
 
 def _inputs(B, H, Hkv, Nq, Nk, D, seqlens, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, Nq, D, generator=g, dtype=dtype)
-    k = torch.randn(B, Hkv, Nk, D, generator=g, dtype=dtype)
-    v = torch.randn(B, Hkv, Nk, D, generator=g, dtype=dtype)
-    do = torch.randn(B, H, Nq, D, generator=g, dtype=dtype)
-    sl = None if seqlens is None else torch.tensor(seqlens, dtype=torch.int32)
-    move = (lambda x: x.to(DEVICE)) if DEVICE == "cuda" else (lambda x: x)
-    return move(q), move(k), move(v), move(do), None if sl is None else move(sl)
+    x = random_inputs(B, H, Hkv, Nq, Nk, D, dtype=dtype, device=DEVICE, seed=seed, seqlens_k=seqlens)
+    return x.q, x.k, x.v, x.do, x.seqlens_k
 
 
 def _check_all(backend, q, k, v, do, causal, seqlens, scale=None):
-    o, lse = backend.forward(q, k, v, causal=causal, scale=scale, seqlens_k=seqlens)
-    dq, dk, dv = backend.backward(do, q, k, v, o, lse, causal=causal, scale=scale, seqlens_k=seqlens)
-    ref = oracle.reference(q, k, v, do, causal=causal, scale=scale, seqlens_k=seqlens)
-    base = oracle.plain_torch(q, k, v, do, causal, scale, seqlens) if q.dtype in oracle.LOW_PRECISION else None
-    for name, got in (("o", o), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
-        baseline = None if base is None else getattr(base, name)
-        check = oracle.check_output(name, got, getattr(ref, name), baseline, q.dtype)
+    outputs, checks = check_backend(backend, AttentionInputs(q, k, v, do, seqlens), causal, scale)
+    for name, check in checks.items():
         assert check.ok, f"{backend!r} {name}: {check.message}"
-    return o, lse, dq, dk, dv
+    return tuple(outputs[name] for name in ("o", "lse", "dq", "dk", "dv"))
 
 
 def _expected_q_stationary(B, H, Hkv, Nq, Nk, causal, seqlens, bm, bn):

@@ -1,9 +1,11 @@
 """Every implementation the benchmark times, behind one adapter.
 
-An *impl* is a registered attnzoo backend (optionally with options, e.g. a variant of ``triton_atomic``),
-a torch SDPA backend forced with ``torch.nn.attention.sdpa_kernel`` (``sdpa_flash``, ``sdpa_cudnn``,
-``sdpa_efficient``, ``sdpa_math``), or ``flex_attention`` (torch's FlexAttention wrapped in ``torch.compile``,
-with a causal ``BlockMask`` when causal).
+An *impl* is an attnzoo backend, named by an impl spec: ``name``, or ``name:key=value,key=value`` for the variant
+``attnzoo.get(name, key=value, ...)`` (e.g. ``triton_atomic:delta=recompute``); or a torch SDPA backend forced with
+``torch.nn.attention.sdpa_kernel`` (``sdpa_flash``, ``sdpa_cudnn``, ``sdpa_efficient``, ``sdpa_math``); or
+``flex_attention`` (torch's FlexAttention wrapped in ``torch.compile``, with a causal ``BlockMask`` when causal).
+This module adapts the torch peers; the variants of attnzoo's backends are ``attnzoo.get`` options, listed nowhere
+else.
 
 How the backward is timed alone:
 
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 
 import attnzoo
-from attnzoo.backends._tiles import tile_is_empty
+from attnzoo.backends import tile_is_empty
 
 Tensor = torch.Tensor
 
@@ -91,7 +93,7 @@ def geometric_skip_ratio(
     """Fraction of ``block_m x block_n`` tiles of the score matrix that are fully masked.
 
     Computed from the causal/padding geometry with the kernel's block sizes (the same test the blocked
-    backends use to skip a tile, :func:`attnzoo.backends._tiles.tile_is_empty`), averaged over the batch.
+    backends use to skip a tile, :func:`attnzoo.backends.tile_is_empty`), averaged over the batch.
     """
     lengths = seqlens_k if seqlens_k is not None else [n_k]
     total = skipped = 0
@@ -117,18 +119,72 @@ def _block_sizes(backend: Any) -> tuple[int, int] | None:
 _TRITON_DEBUG_BACKENDS = ("triton_2kernel", "triton_atomic")
 
 
+def _option_value(text: str) -> Any:
+    """An option value of an impl spec: an int where it reads as one, else the text."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def parse_impl_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"name:key=value,key=value"`` -> ``(name, {key: value, ...})``; ``"name"`` -> ``(name, {})``.
+
+    Values are ints where they read as one, else strings; a dotted key builds a dict, so that
+    ``configs.forward=128x64 w8 s3`` gives ``{"configs": {"forward": "128x64 w8 s3"}}``.
+    """
+    name, _, option_text = spec.partition(":")
+    options: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in option_text.split(","))):
+        key, equals, value = item.partition("=")
+        if not equals or not key:
+            raise ValueError(f"impl spec {spec!r}: option {item!r} is not key=value")
+        *outer, last = key.split(".")
+        target = options
+        for part in outer:
+            target = target.setdefault(part, {})
+        target[last] = _option_value(value)
+    return name.strip(), options
+
+
+def split_impl_list(text: str) -> list[str]:
+    """A comma list of impl specs: ``"triton_2kernel,triton_atomic:delta=recompute,sdpa_flash"``.
+
+    An option of a spec is separated by a comma too; an item with ``=`` and no ``:`` continues the spec before it.
+    """
+    specs: list[str] = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        if "=" in item and ":" not in item and specs:
+            specs[-1] += "," + item
+        else:
+            specs.append(item)
+    return specs
+
+
+# The CSV label of a spec is the spec itself, except where committed results name it otherwise: the H100 grids in
+# bench/results call the recompute variant of triton_atomic by this name.
+LABELS = {"triton_atomic:delta=recompute": "triton_atomic_recompute"}
+
+
+def impl_label(spec: str) -> str:
+    """The name of an impl in CSVs and figures: its spec, options in the order given, or its entry in ``LABELS``."""
+    name, options = parse_impl_spec(spec)
+    flat = []
+    for key, value in options.items():
+        pairs = value.items() if isinstance(value, dict) else [(None, value)]
+        flat += [f"{key}{'' if sub is None else '.' + sub}={v}" for sub, v in pairs]
+    canonical = name + (":" + ",".join(flat) if flat else "")
+    return LABELS.get(canonical, canonical)
+
+
 class BackendImpl(Impl):
-    """A registered attnzoo backend; ``forward``/``backward`` are the backend's own calls."""
+    """An attnzoo backend or a variant of it, ``attnzoo.get(name, **options)``; ``forward``/``backward`` are the
+    backend's own calls."""
 
-    def __init__(self, name: str, backend_name: str | None = None, options: dict | None = None):
-        self.name = name
-        self.backend_name = backend_name or name
-        self.options = options or {}
-
-    @property
-    def backend(self):
-        """The registered instance, or the instance built with this variant's options."""
-        return attnzoo.get(self.backend_name, **self.options)
+    def __init__(self, spec: str):
+        self.backend_name, self.options = parse_impl_spec(spec)
+        self.name = impl_label(spec)
+        self.backend = attnzoo.get(self.backend_name, **self.options)
 
     def forward_code(self) -> object | None:
         """The backend class's forward: triton_2kernel and triton_atomic (and its variant) share one kernel."""
@@ -316,29 +372,28 @@ SDPA_IMPLS = {
     "sdpa_math": ("MATH", False),
 }
 
-# Backend variants timed as their own impls: impl name -> (registered backend, constructor keyword options).
-# triton_atomic's registered instance obtains D_i = rowsum(dO * O) from a preprocess kernel; the recompute variant
-# gets it from a second pass over K/V inside the backward kernel (TritonAtomic(delta=...)).
-BACKEND_VARIANTS: dict[str, tuple[str, dict]] = {"triton_atomic_recompute": ("triton_atomic", {"delta": "recompute"})}
-
 
 def impl_names() -> list[str]:
-    """Every impl name the benchmark knows: registered backends, their variants, SDPA and FlexAttention."""
-    return [*attnzoo.names(), *BACKEND_VARIANTS, *SDPA_IMPLS, "flex_attention"]
+    """Every impl the benchmark knows by name: registered backends, SDPA and FlexAttention (a backend's variants are
+    specs, ``name:key=value``)."""
+    return [*attnzoo.names(), *SDPA_IMPLS, "flex_attention"]
 
 
-def get_impl(name: str) -> Impl:
-    """The adapter of an impl name (ValueError listing the known names otherwise)."""
+def get_impl(spec: str) -> Impl:
+    """The adapter of an impl spec (ValueError listing the known names otherwise; TypeError for an option the
+    backend does not take)."""
+    name, options = parse_impl_spec(spec)
+    if name in attnzoo.names():
+        return BackendImpl(spec)
+    if options:
+        raise ValueError(
+            f"impl {name!r} takes no options; variants are of attnzoo backends: {', '.join(attnzoo.names())}"
+        )
     if name in SDPA_IMPLS:
         return SdpaImpl(name, *SDPA_IMPLS[name])
     if name == "flex_attention":
         return FlexImpl()
-    if name in BACKEND_VARIANTS:
-        backend_name, options = BACKEND_VARIANTS[name]
-        return BackendImpl(name, backend_name, options)
-    if name in attnzoo.names():
-        return BackendImpl(name)
-    raise ValueError(f"unknown impl {name!r}; known: {', '.join(impl_names())}")
+    raise ValueError(f"unknown impl {name!r}; known: {', '.join(impl_names())} (a backend variant: name:key=value,...)")
 
 
 def default_impls(cuda: bool) -> list[str]:

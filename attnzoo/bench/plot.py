@@ -20,8 +20,13 @@ from .machine import machine_tag
 from .schema import STATUS_OK, read_csv, status_kind
 
 FIGURE_KINDS = ("fwd_latency", "train_latency", "train_breakdown", "tokens_per_s", "speedup", "peak_memory")
+# Our impls: these labels, and any variant of these backends (``name:key=value``, see attnzoo.bench.impls).
 OURS = ("triton_2kernel", "triton_atomic", "triton_atomic_recompute")
 REFERENCES = ("sdpa_flash", "sdpa_cudnn", "flex_attention")
+
+
+def _is_ours(impl: str) -> bool:
+    return impl.split(":")[0] in OURS
 
 
 def _pyplot():
@@ -197,7 +202,7 @@ def figure_speedup_summary(rows: list[dict], impls: list[str], colors: dict):
     plt = _pyplot()
     with_speedups = [r for r in _ok(rows) if r["mode"] == "train" and r["speedup_vs_sdpa_flash"] is not None]
     groups = _groups(with_speedups)
-    ours = [i for i in impls if i in OURS] or [i for i in impls if i not in REFERENCES]
+    ours = [i for i in impls if _is_ours(i)] or [i for i in impls if i not in REFERENCES]
     cols = min(4, max(len(groups), 1))
     nrows = (len(groups) + cols - 1) // cols
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False, sharey=True)
@@ -292,7 +297,9 @@ def readme_table(rows: list[dict], Ns: list[int], impls: list[str]) -> str:
 def readme_section(rows: list[dict], Ns: list[int], figure: str, csv_name: str) -> str:
     """The markdown performance section: caption, how it was counted, the table, the speedup figure (``figure``:
     its path relative to the markdown file)."""
-    impls = [i for i in (*OURS, *REFERENCES, "sdpa_efficient", "sdpa_math") if any(r["impl"] == i for r in rows)]
+    present = _impl_order(rows)
+    variants = [i for i in present if _is_ours(i) and i not in OURS]
+    impls = [i for i in (*OURS, *variants, *REFERENCES, "sdpa_efficient", "sdpa_math") if i in present]
     r = rows[0]
     return "\n".join(
         [

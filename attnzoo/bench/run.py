@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..kernels import tuning
+from ..testing import random_inputs
 from . import impls as impl_registry
 from . import timing
 from .machine import machine_info, machine_tag
@@ -61,7 +62,7 @@ class Case:
 
     dtype: torch.dtype
     mode: str  # "fwd" or "train"
-    impl: str
+    impl: str  # an impl spec (see impls.py): what runs; the CSV names it impls.impl_label(impl)
     B: int
     H: int
     Hkv: int
@@ -75,14 +76,14 @@ class Case:
         return self.mode == "train"
 
     def label(self) -> str:
-        causal = "causal" if self.causal else "full"
-        return f"{self.mode} {DTYPE_NAMES[self.dtype]} D={self.D} N={self.N} {causal} {self.impl}"
+        causal, impl = "causal" if self.causal else "full", impl_registry.impl_label(self.impl)
+        return f"{self.mode} {DTYPE_NAMES[self.dtype]} D={self.D} N={self.N} {causal} {impl}"
 
     def row(self) -> dict:
         return {
             "dtype": DTYPE_NAMES[self.dtype],
             "mode": self.mode,
-            "impl": self.impl,
+            "impl": impl_registry.impl_label(self.impl),
             "B": self.B,
             "H": self.H,
             "Hkv": self.Hkv,
@@ -126,7 +127,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--seqlen-k-frac", type=float, default=1.0, help="visible keys per batch as a fraction of N (<1: seqlens_k)"
     )
-    p.add_argument("--impl", default="all", help=f"comma list or 'all'; known: {', '.join(impl_registry.impl_names())}")
+    p.add_argument(
+        "--impl",
+        default="all",
+        help=f"comma list of impl specs or 'all'; known: {', '.join(impl_registry.impl_names())}; a backend's variant "
+        "is name:key=value,... (e.g. triton_atomic:delta=recompute)",
+    )
     p.add_argument("--warmup", type=int, default=5 if cuda else 1, help="untimed calls before timing")
     p.add_argument("--repeat", type=int, default=20 if cuda else 3, help="timed calls (the median is kept)")
     p.add_argument(
@@ -172,7 +178,7 @@ def build_grid(args: argparse.Namespace) -> list[Case]:
     if args.impl == "all":
         names = impl_registry.default_impls(args.device == "cuda")
     else:
-        names = [n for n in args.impl.split(",") if n]
+        names = impl_registry.split_impl_list(args.impl)
     for name in names:
         impl_registry.get_impl(name)  # unknown names fail here, before any case runs
     cases = []
@@ -192,19 +198,12 @@ def build_grid(args: argparse.Namespace) -> list[Case]:
 
 def make_inputs(case: Case, device: torch.device, seed: int) -> impl_registry.Inputs:
     """Fresh standard-normal q, k, v, do for one case (never zeros), seeded by the case for reproducibility."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(zlib.crc32(f"{seed}:{case}".encode()))
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, device=device, dtype=case.dtype)
-
-    q = randn(case.B, case.H, case.N, case.D)
-    k, v = randn(case.B, case.Hkv, case.N, case.D), randn(case.B, case.Hkv, case.N, case.D)
-    do = randn(case.B, case.H, case.N, case.D) if case.train else None
-    seqlens = None
-    if case.seqlen_k < case.N:
-        seqlens = torch.full((case.B,), case.seqlen_k, dtype=torch.int32, device=device)
-    return impl_registry.Inputs(q, k, v, do, case.causal, seqlens)
+    seqlens = [case.seqlen_k] * case.B if case.seqlen_k < case.N else None
+    x = random_inputs(
+        case.B, case.H, case.Hkv, case.N, case.N, case.D, dtype=case.dtype, device=device,
+        seed=zlib.crc32(f"{seed}:{case}".encode()), seqlens_k=seqlens, with_do=case.train,
+    )  # fmt: skip
+    return impl_registry.Inputs(x.q, x.k, x.v, x.do, case.causal, x.seqlens_k)
 
 
 class TooSlowError(Exception):
@@ -371,7 +370,9 @@ def run_grid(cases: list[Case], args, device: torch.device, out: Path | None = N
             outcome = f"{result['total_ms']:.3f} ms"
         progress.advance(case.label(), outcome)
     if args.recheck:
-        forward_code = {case.impl: impl_registry.get_impl(case.impl).forward_code() for case in cases}
+        forward_code = {
+            impl_registry.impl_label(case.impl): impl_registry.get_impl(case.impl).forward_code() for case in cases
+        }
         for shape in inconsistent_shapes(rows, args.recheck, forward_code):
             if args.time_budget_s and time.perf_counter() - start > args.time_budget_s:
                 print(f"not re-measured (--time-budget-s spent): {shape}", file=sys.stderr)
