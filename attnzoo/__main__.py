@@ -1,4 +1,4 @@
-"""``python -m attnzoo <command>``: compare, bench, plot, io."""
+"""``python -m attnzoo <command>``: compare, bench, plot, io, tune."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ COMMANDS = {
     "bench": ("attnzoo.bench.run", "time backends and torch SDPA over a grid of shapes, write a CSV"),
     "plot": ("attnzoo.bench.plot", "draw the benchmark figures from a bench CSV"),
     "io": ("attnzoo.bench.io", "HBM traffic: IO-complexity theory and Nsight Compute measurements"),
+    "tune": ("attnzoo.tune", "time the Triton kernels' configs for some shapes and store the winners on disk"),
 }
 
 

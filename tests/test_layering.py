@@ -18,6 +18,8 @@ INNER = ("kernels", "backends")
 # The hooks every backend implements (CONTRIBUTING.md, "Adding a backend"): the subclass interface of Backend. The
 # benchmark reads which class's _forward a backend runs, to know which impls share one forward kernel.
 SUBCLASS_HOOKS = frozenset({"_forward", "_backward"})
+
+
 # Known offenders, each to be fixed by a change in flight; the test of each is a strict xfail, so that it fails as
 # soon as the module is clean and the entry must go.
 def _is_private(name: str) -> bool:

@@ -497,6 +497,11 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")
 
 
+def current_identity() -> DeviceIdentity | None:
+    """The identity of the current CUDA device (None without CUDA): what a winner stored now is valid for."""
+    return _device_identity(torch.cuda.current_device() if torch.cuda.is_available() else None)
+
+
 def cache_file(identity: DeviceIdentity) -> Path:
     """The JSON of stored winners for one GPU model, capability, Triton version and attnzoo version."""
     major, minor = identity.capability
