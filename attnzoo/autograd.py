@@ -11,6 +11,10 @@ node: Dynamo never traces into the Triton launch code (whose pointer arithmetic 
 never recompiles the kernels, and the graph has no break.  Under CUDA graph capture the operators launch the kernels
 as in eager mode.
 
+The first call of a custom operator imports ``torch._dynamo`` (its dispatch is wrapped in ``torch._disable_dynamo``),
+3-4 s of imports on the H100 machine; it is imported with this module instead, so that the cost is paid once at
+``import attnzoo`` and not inside the first attention call.
+
 ``backend`` travels as a string: a registered name, ``"auto"`` (resolved inside the operator, where the tensors are
 real, so that a traced graph does not depend on the pick), or the key of a backend instance built with options
 (``attnzoo.get(name, **options)``), registered here on first use.
@@ -19,6 +23,7 @@ real, so that a traced graph does not depend on the pick), or the key of a backe
 from __future__ import annotations
 
 import torch
+import torch._dynamo  # imported here, not by the first call: see above
 
 from .backend import Backend, get, names
 from .validation import Problem, validate_forward

@@ -1,8 +1,10 @@
 """What the Triton backends (``triton_2kernel``, ``triton_atomic``) share: the support rules, the ``configs`` option
 and the forward.
 
-Nothing here imports Triton: the kernels are imported on a backend's first launch, so ``import attnzoo`` works without
-Triton installed (the Triton backends then say so in ``not_supported_reasons``).
+Triton is optional: where it imports, the kernel modules are imported with this module (defining the kernels costs
+about half a second, better paid at ``import attnzoo`` than inside the first call; ``TRITON_INTERPRET`` must be set
+before); where it does not, ``import attnzoo`` still works and the Triton backends say why in
+``not_supported_reasons``.
 """
 
 from __future__ import annotations
@@ -68,6 +70,17 @@ def kernels() -> SimpleNamespace:
         backward_2kernel=attention_backward_2kernel,
         backward_atomic=attention_backward_atomic,
     )
+
+
+def _import_kernels_if_available() -> None:
+    if triton_missing_reason() is None:
+        try:
+            kernels()
+        except Exception:  # a Triton that imports but cannot define the kernels: the first launch says why
+            kernels.cache_clear()
+
+
+_import_kernels_if_available()
 
 
 def parse_configs(configs: Mapping[str, KernelConfig | str] | None, kernel_names: tuple[str, ...]) -> dict:

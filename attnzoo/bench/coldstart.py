@@ -59,14 +59,17 @@ MEASUREMENTS = ("import_s", "first_call_s", "second_call_s", "new_N_bucket_s", "
 def run_child(spec: dict, env: dict, pythonpath: str | None) -> dict:
     """One fresh process; returns its measurements (seconds) plus its total wall time."""
     env = dict(env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH", "")]))
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
     import time
 
     start = time.perf_counter()
+    # From a neutral directory: ``python -c`` puts the working directory first on sys.path, ahead of PYTHONPATH.
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, json.dumps(spec)], env=env, capture_output=True, text=True, check=False
-    )
+        [sys.executable, "-c", _CHILD, json.dumps(spec)],
+        env=env, capture_output=True, text=True, check=False, cwd=str(Path(env["TRITON_CACHE_DIR"]).parent),
+    )  # fmt: skip
     wall = time.perf_counter() - start
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
