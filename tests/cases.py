@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import attnzoo
 from attnzoo import oracle
 from attnzoo.backend import REQUIRED_FEATURES, triton_interpreter_active
+from attnzoo.validation import lse_dtype
 
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
 LOW_PRECISION = oracle.LOW_PRECISION
@@ -145,7 +146,7 @@ def run_and_check(backend: attnzoo.Backend, case: Case, device: str = "cpu") -> 
         assert torch.equal(x[key], val), f"input {key} was modified"
     assert torch.equal(o, o_before) and torch.equal(lse, lse_before), "backward modified its o or lse input"
     assert o.dtype == case.dtype and dq.dtype == case.dtype and dk.dtype == case.dtype and dv.dtype == case.dtype
-    assert lse.dtype == torch.float32 and tuple(lse.shape) == (case.batch, case.heads, case.seqlen_q)
+    assert lse.dtype == lse_dtype(case.dtype) and tuple(lse.shape) == (case.batch, case.heads, case.seqlen_q)
     ref = oracle.reference(x["q"], x["k"], x["v"], x["do"], **kw)
     base = oracle.plain_torch(x["q"], x["k"], x["v"], x["do"], **kw) if case.dtype in LOW_PRECISION else None
     contract = oracle.contract_errors(x["q"], x["k"], x["v"], x["do"], ref, stored_o=o, **kw)
