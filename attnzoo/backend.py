@@ -29,6 +29,26 @@ def triton_interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def interpreter_unusable_reason() -> str | None:
+    """Why the installed Triton's interpreter cannot run kernels with the installed NumPy (None when it can).
+
+    Triton 3.6's interpreter converts a one-element array to an index with ``int()``, which NumPy 2.4 refuses for
+    arrays of rank above 0 (every interpreted kernel then fails inside Triton); 3.2-3.5 do not take that path and 3.8
+    squeezes the array first.
+    """
+    import triton
+
+    def version(text: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in text.split("+")[0].split(".")[:2] if part.isdigit())
+
+    if (3, 6) <= version(triton.__version__) < (3, 8) and version(np.__version__) >= (2, 4):
+        return (
+            f"Triton {triton.__version__}'s interpreter fails with NumPy {np.__version__} (int() of a one-element "
+            "array); use NumPy < 2.4 or Triton >= 3.8"
+        )
+    return None
+
+
 def poison_outputs() -> bool:
     """Whether outputs are NaN-filled before a kernel writes them (``ATTNZOO_POISON_OUTPUTS=1``, set by the tests)."""
     return os.environ.get("ATTNZOO_POISON_OUTPUTS", "0") not in ("", "0")

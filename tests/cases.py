@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import attnzoo
 from attnzoo import oracle
-from attnzoo.backend import REQUIRED_FEATURES, triton_interpreter_active
+from attnzoo.backend import REQUIRED_FEATURES, interpreter_unusable_reason, triton_interpreter_active
 from attnzoo.validation import lse_dtype
 
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
@@ -117,8 +117,10 @@ def spec_requires(backend_name: str, problem: attnzoo.Problem) -> bool:
     if problem.device not in SPEC_DEVICES[backend_name] or problem.dtype not in SPEC_DTYPES[backend_name]:
         return False
     if backend_name in TRITON_BACKENDS and problem.device == "cpu":
-        # Only through the interpreter, whose bfloat16 tl.dot is wrong in triton 3.6-3.9 (checked on the GPU).
-        return triton_interpreter_active() and problem.dtype != BF16
+        # Only through the interpreter, whose bfloat16 tl.dot is wrong in triton 3.6-3.9 (checked on the GPU), and
+        # which Triton 3.6 cannot run with NumPy 2.4.
+        usable = triton_interpreter_active() and interpreter_unusable_reason() is None
+        return usable and problem.dtype != BF16
     return problem.head_dim <= SPEC_MIN_HEAD_DIM_LIMIT.get(backend_name, problem.head_dim)
 
 

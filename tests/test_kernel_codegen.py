@@ -29,6 +29,8 @@ def _ptx_report(*args: str) -> list[str]:
     )  # fmt: skip
     if proc.returncode != 0 and "ptxas" in proc.stderr and "No such file" in proc.stderr:
         pytest.skip("this Triton build ships no ptxas")
+    if proc.returncode != 0 and "unexpected keyword argument 'constexprs'" in proc.stderr:
+        pytest.skip("ptx_report compiles through the ASTSource API of Triton 3.4 and later")
     assert proc.returncode == 0, proc.stderr[-2000:]
     return [line for line in proc.stdout.splitlines() if line.strip()]
 

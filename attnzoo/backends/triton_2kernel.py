@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import Backend, Capabilities, register, triton_interpreter_active
+from ..backend import Backend, Capabilities, interpreter_unusable_reason, register, triton_interpreter_active
 from ..kernels.backward_2kernel import attention_backward_2kernel
 from ..kernels.forward import attention_forward
 from ..kernels.launch import LaunchContext
@@ -34,6 +34,8 @@ def triton_extra_reasons(problem: Problem) -> list[str]:
     if problem.device == "cpu":
         if not triton_interpreter_active():
             reasons.append(INTERPRETER_REASON)
+        elif (unusable := interpreter_unusable_reason()) is not None:
+            reasons.append(unusable)
         if problem.dtype == torch.bfloat16:
             reasons.append(INTERPRETER_BF16_REASON)
     return reasons
