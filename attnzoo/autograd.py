@@ -26,7 +26,7 @@ import torch
 import torch._dynamo  # imported here, not by the first call: see above
 
 from .backend import Backend, get, names
-from .validation import Problem, validate_forward
+from .validation import Problem, lse_dtype, validate_forward
 
 Tensor = torch.Tensor
 
@@ -91,7 +91,7 @@ def _problem(q: Tensor, k: Tensor, v: Tensor, seqlens_k: Tensor | None, causal: 
 def attention_forward_op(
     q: Tensor, k: Tensor, v: Tensor, seqlens_k: Tensor | None, causal: bool, scale: float, backend: str
 ) -> tuple[Tensor, Tensor]:
-    """``o`` ``[B, H, Nq, D]`` (dtype of q) and ``lse`` ``[B, H, Nq]`` (float32) of one call."""
+    """``o`` ``[B, H, Nq, D]`` (dtype of q) and ``lse`` ``[B, H, Nq]`` (float32; float64 for float64 inputs)."""
     problem = _problem(q, k, v, seqlens_k, causal, scale)
     return _backend_of(backend, problem).forward_validated(q, k, v, problem)
 
@@ -100,7 +100,7 @@ def attention_forward_op(
 def _(q, k, v, seqlens_k, causal, scale, backend):
     B, H, Nq, _ = q.shape
     o = q.new_empty((B, H, Nq, v.shape[-1]))
-    lse = q.new_empty((B, H, Nq), dtype=torch.float32)
+    lse = q.new_empty((B, H, Nq), dtype=lse_dtype(q.dtype))
     return o, lse
 
 

@@ -16,8 +16,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._env import new_output, poison_outputs, triton_interpreter_active  # noqa: F401  (re-exported for backends)
-from .validation import Problem, validate_backward, validate_forward
+from ._env import (  # noqa: F401  (re-exported for backends)
+    interpreter_unusable_reason,
+    new_output,
+    poison_outputs,
+    triton_interpreter_active,
+)
+from .validation import Problem, lse_dtype, validate_backward, validate_forward
 
 Tensor = torch.Tensor
 
@@ -117,7 +122,7 @@ class Backend:
         """Attention forward.
 
         q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nk, D]``; seqlens_k: integer ``[B]`` or None.
-        Returns ``o`` (``[B, H, Nq, D]``, dtype of q) and ``lse`` (``[B, H, Nq]``, float32).
+        Returns ``o`` (``[B, H, Nq, D]``, dtype of q) and ``lse`` (``[B, H, Nq]``, float32; float64 for float64).
         """
         return self.forward_validated(q, k, v, self._validate(q, k, v, causal, scale, seqlens_k))
 
@@ -143,7 +148,7 @@ class Backend:
     ) -> tuple[Any, Any, Any]:
         """Attention backward from the forward's ``o`` and ``lse``.
 
-        do, o: ``[B, H, Nq, D]``; lse: ``[B, H, Nq]`` float32.  Returns ``dq`` (shape of q) and
+        do, o: ``[B, H, Nq, D]``; lse: ``[B, H, Nq]`` as the forward returned it.  Returns ``dq`` (shape of q) and
         ``dk``, ``dv`` (shape of k, summed over the query heads of each K/V group).
         """
         return self.backward_validated(do, q, k, v, o, lse, self._validate(q, k, v, causal, scale, seqlens_k))
@@ -211,8 +216,8 @@ def _empty_forward(q, problem: Problem):
     """``o`` of the shape of q and ``lse`` ``[B, H, 0 or Nq]``, both empty."""
     shape = (problem.batch, problem.heads, problem.seqlen_q)
     if isinstance(q, np.ndarray):
-        return np.zeros(q.shape, q.dtype), np.zeros(shape, np.float32)
-    return q.new_zeros(q.shape), torch.zeros(shape, dtype=torch.float32, device=q.device)
+        return np.zeros(q.shape, q.dtype), np.zeros(shape, np.float64 if q.dtype == np.float64 else np.float32)
+    return q.new_zeros(q.shape), torch.zeros(shape, dtype=lse_dtype(problem.dtype), device=q.device)
 
 
 def _empty_backward(q, k, v):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import cli as cli_types
 from . import oracle, testing
 from .backend import Backend, get, names
 
@@ -42,19 +44,65 @@ class Row:
         return not self.error and all(c.ok for c in self.checks.values())
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
-    cli = argparse.ArgumentParser(prog="python -m attnzoo compare", description=__doc__.split("\n\n")[0])
-    cli.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    for name in ("B", "H", "Hkv", "Nq", "Nk", "D"):
-        cli.add_argument(f"--{name}", type=int, help="default: an embedded case for the device")
-    cli.add_argument("--dtype", choices=list(DTYPES))
+def _parser() -> argparse.ArgumentParser:
+    cli = argparse.ArgumentParser(
+        prog="python -m attnzoo compare",
+        description=__doc__.split("\n\n")[0],
+        epilog="Exit status: 0 when every supported backend is within tolerance; 1 when one is not, or when no "
+        "selected backend supports the case; 2 for a bad flag.",
+    )
+    cli.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: cuda when available, else cpu"
+    )
+    sizes = {
+        "B": (cli_types.nonnegative_int, "batch size"),
+        "H": (cli_types.positive_int, "query heads"),
+        "Hkv": (cli_types.positive_int, "K/V heads; H must be a multiple of it (grouped-query attention)"),
+        "Nq": (cli_types.nonnegative_int, "query rows"),
+        "Nk": (cli_types.nonnegative_int, "keys (default: Nq when --Nq is given)"),
+        "D": (cli_types.positive_int, "head dim"),
+    }
+    for name, (kind, about) in sizes.items():
+        cli.add_argument(f"--{name}", type=kind, help=f"{about}; default: the embedded case for the device")
+    cli.add_argument("--dtype", choices=list(DTYPES), help="default: float32 on the CPU, float16 on a GPU")
     cli.add_argument("--causal", action="store_true", help="bottom-right aligned causal mask")
-    cli.add_argument("--seqlens-k", help="comma-separated keys per batch (e.g. 256,100), or 'random'")
-    cli.add_argument("--scale", type=float, help="default 1/sqrt(D)")
-    cli.add_argument("--backends", help=f"comma-separated subset of: {', '.join(names())}")
-    cli.add_argument("--repeat", type=int, default=3, help="timed runs per backend (median)")
-    cli.add_argument("--seed", type=int, default=0)
-    return cli.parse_args(argv)
+    cli.add_argument(
+        "--seqlens-k", help="keys per batch, a comma list of B values in [0, Nk] (e.g. 256,100), or 'random'"
+    )
+    cli.add_argument("--scale", type=cli_types.finite_float, help="score scale; default 1/sqrt(D)")
+    cli.add_argument("--backends", help=f"comma-separated subset of: {', '.join(names())} (default: all)")
+    cli.add_argument(
+        "--repeat", type=cli_types.positive_int, default=3, help="timed runs per backend, after one warm-up (median)"
+    )
+    cli.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    return cli
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, dict, str, list[str]]:
+    """Parse and check every flag before any input exists: returns the arguments, the case's shape, the device
+    and the selected backends.  A bad flag or an impossible case is a usage error (one line, exit 2)."""
+    cli = _parser()
+    args = cli.parse_args(argv)
+    cli_types.check_device(cli, args.device)
+    shape, device = _case(args)
+    if shape["H"] % shape["Hkv"] != 0:
+        cli.error(
+            f"--H {shape['H']} is not a multiple of --Hkv {shape['Hkv']} (each K/V head serves H / Hkv query heads)"
+        )
+    try:
+        selected = names() if not args.backends else cli_types.pick_names(args.backends, names(), "backend")
+    except ValueError as exc:
+        cli.error(f"--backends: {exc}")
+    if args.seqlens_k not in (None, "random"):
+        try:
+            seqlens = [int(s) for s in args.seqlens_k.split(",")]
+        except ValueError:
+            cli.error(f"--seqlens-k must be a comma list of integers or 'random', got {args.seqlens_k!r}")
+        if len(seqlens) != shape["B"]:
+            cli.error(f"--seqlens-k needs one value per batch (B = {shape['B']}), got {len(seqlens)}: {args.seqlens_k}")
+        if any(not 0 <= s <= shape["Nk"] for s in seqlens):
+            cli.error(f"--seqlens-k values must lie in [0, Nk] = [0, {shape['Nk']}], got {args.seqlens_k}")
+    return args, shape, device, selected
 
 
 def _case(args: argparse.Namespace) -> tuple[dict, str]:
@@ -175,11 +223,22 @@ def format_table(rows: list[Row]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv or [])
-    shape, device = _case(args)
-    selected = names() if not args.backends else [s.strip() for s in args.backends.split(",")]
-    backends = [get(name) for name in selected]  # an unknown name fails here, listing the known ones
+    args, shape, device, selected = _parse(argv or [])
+    backends = [get(name) for name in selected]
     x = _inputs(shape, device, args)
+    kw = dict(causal=args.causal, scale=args.scale, seqlens_k=x.seqlens_k)
+    supported = {}
+    for backend in backends:
+        try:
+            supported[backend.name] = not backend.not_supported_reasons(x.q, x.k, x.v, **kw)
+        except ValueError:  # beyond the backend's limits, e.g. its largest head dim: its row says why
+            supported[backend.name] = False
+    if not any(supported.values()):
+        # Nothing to judge: say why per backend and fail, without running the oracle on a case nobody runs.
+        rows = [run_backend(b, x, args.causal, args.scale, device, args.repeat, None) for b in backends]
+        print(format_table(rows))
+        print(f"no selected backend supports this case ({', '.join(selected)})", file=sys.stderr)
+        return 1
     judge = testing.oracle_for(x, args.causal, args.scale)
     seq = "" if x.seqlens_k is None else f", seqlens_k={x.seqlens_k.tolist()}"
     print(

@@ -71,7 +71,8 @@ def reference(
     large N on the GPU).  Accepts torch tensors or numpy arrays.
 
     q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nk, D]``; do (optional): ``[B, H, Nq, D]``.
-    Returns float64 tensors on ``device`` (lse float32 as in the contract, computed in float64).
+    Returns float64 tensors on ``device``; lse is computed in float64 and returned in the contract's dtype
+    (float64 for float64 inputs, float32 otherwise).
 
     ``stored_dtype``: compute the backward's ``Delta = rowsum(dO * O)`` from ``dO`` and ``O`` rounded to this
     dtype and summed in float32, as every backend does (the contract hands the backward the forward's ``o`` in
@@ -79,6 +80,7 @@ def reference(
     ``stored_o``: the ``o`` a backend's forward returned, to use there instead of the exact ``o`` rounded to
     ``stored_dtype`` (a backend's ``o`` may round to the other side, and its backward is handed its own ``o``).
     """
+    input_dtype = _as_torch(q).dtype
     q, k, v = (_as_torch(x).detach().to(device, torch.float64) for x in (q, k, v))
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -89,12 +91,13 @@ def reference(
     seqlens = None if seqlens_k is None else _as_torch(seqlens_k).to(device)
     mask = visible_mask(B, Nq, Nk, causal, seqlens, device)
     s = ((q @ k_full.transpose(-1, -2)) * scale).masked_fill(~mask, float("-inf"))
-    # A row with no visible key has lse = -inf and P = 0.
+    # A row with no visible key has lse = -inf and P = 0; a hidden key has P = 0 exactly, also in a row whose lse
+    # is NaN (a NaN input reached it), so that a NaN reaches the rows that see it and no others.
     lse = torch.logsumexp(s, dim=-1)
-    has_key = torch.isfinite(lse)[..., None]
-    p = torch.where(has_key, torch.exp(s - lse[..., None].where(has_key, 0.0)), 0.0)
+    no_key = torch.isneginf(lse)[..., None]
+    p = torch.where(mask & ~no_key, torch.exp(s - lse[..., None].where(~no_key, 0.0)), 0.0)
     o = p @ v_full
-    result = Result(o=o, lse=lse.float())
+    result = Result(o=o, lse=lse if input_dtype == torch.float64 else lse.float())
     if do is not None:
         do = _as_torch(do).detach().to(device, torch.float64)
         dv_full = p.transpose(-1, -2) @ do
@@ -217,11 +220,11 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 # baseline happened to round luckily.  lse is float32 in every dtype, so its slack is float32's.
 EPS = {torch.float64: 2.0**-52, torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 # Fixed tolerances for float32 and float64, relative to the same magnitude.  float32: sums of up to a few
-# hundred products.  float64: the backward reads the float32 lse of the contract, so P = exp(S - lse)
-# carries one float32 rounding; the forward is held to float64 accuracy.
+# hundred products.  float64: lse is float64 too, so the reference backends are exact end to end, up to the
+# rounding of sums of a few hundred float64 products (2^-52 * a few hundred, well below 1e-12).
 FIXED_TOL = {
     torch.float32: {"o": 2e-5, "lse": 2e-5, "dq": 1e-4, "dk": 1e-4, "dv": 1e-4},
-    torch.float64: {"o": 1e-10, "lse": 2e-6, "dq": 2e-5, "dk": 2e-5, "dv": 2e-5},
+    torch.float64: {"o": 1e-12, "lse": 1e-12, "dq": 1e-12, "dk": 1e-12, "dv": 1e-12},
 }
 
 

@@ -215,6 +215,11 @@ def _validate_seqlens_k(seqlens_k: Any, B: int, Nk: int, q: Any, is_numpy: bool,
             raise ValueError(f"seqlens_k values must lie in [0, Nk] = [0, {Nk}], got min {low} and max {high}")
 
 
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the forward's ``lse`` for inputs of ``dtype``: float64 for float64, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def validate_backward(problem: Problem, do: Any, o: Any, lse: Any) -> None:
     """Check the extra arguments of ``backward`` against the validated forward problem."""
     allow_numpy = problem.is_numpy
@@ -233,8 +238,10 @@ def validate_backward(problem: Problem, do: Any, o: Any, lse: Any) -> None:
     expected_lse = (problem.batch, problem.heads, problem.seqlen_q)
     if tuple(lse.shape) != expected_lse:
         raise ValueError(f"lse must have shape [B, H, Nq] = {list(expected_lse)}, got {list(lse.shape)}")
-    lse_ok = lse.dtype == (np.float32 if isinstance(lse, np.ndarray) else torch.float32)
-    if not lse_ok:
-        raise TypeError(f"lse must be float32, got {lse.dtype}")
+    # The forward's lse: float64 for float64 inputs (the reference backends are exact end to end), else float32.
+    wide = problem.dtype == torch.float64
+    expected = (np.float64 if wide else np.float32) if isinstance(lse, np.ndarray) else lse_dtype(problem.dtype)
+    if lse.dtype != expected:
+        raise TypeError(f"lse must be {'float64 for float64 inputs' if wide else 'float32'}, got {lse.dtype}")
     if _device_of(lse) != problem.device_name:
         raise ValueError(f"lse must be on the device of q ({problem.device_name}), got {_device_of(lse)}")

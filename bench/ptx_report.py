@@ -4,7 +4,7 @@ Triton's compiler and the ``ptxas`` it ships need no GPU: this builds the PTX of
 with the specialisation a launch would get (strides of 1 become constants, pointers and row strides 16-byte
 aligned, sizes not specialised), runs ``ptxas -v`` on it, and prints registers per thread, spill bytes, and the
 widths of the global stores and reductions. Spills and 2-byte stores are what made two kernels slow on the H100
-(docs/NOTES-kernels.md), and both show here without device time. The local Triton may be newer than the
+(docs/design.md), and both show here without device time. The local Triton may be newer than the
 device's, so the numbers are a guide; timings still come from the GPU.
 
     python bench/ptx_report.py --kernel dkdv --d 128 --config 64,128,8,3

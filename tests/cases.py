@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 import attnzoo
 from attnzoo import oracle, testing
-from attnzoo.backend import REQUIRED_FEATURES, triton_interpreter_active
+from attnzoo.backend import REQUIRED_FEATURES, interpreter_unusable_reason, triton_interpreter_active
+from attnzoo.validation import lse_dtype
 
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
 LOW_PRECISION = oracle.LOW_PRECISION
@@ -101,8 +102,10 @@ def spec_requires(backend_name: str, problem: attnzoo.Problem) -> bool:
     if problem.device not in SPEC_DEVICES[backend_name] or problem.dtype not in SPEC_DTYPES[backend_name]:
         return False
     if backend_name in TRITON_BACKENDS and problem.device == "cpu":
-        # Only through the interpreter, whose bfloat16 tl.dot is wrong in triton 3.6-3.9 (checked on the GPU).
-        return triton_interpreter_active() and problem.dtype != BF16
+        # Only through the interpreter, whose bfloat16 tl.dot is wrong in triton 3.6-3.9 (checked on the GPU), and
+        # which Triton 3.6 cannot run with NumPy 2.4.
+        usable = triton_interpreter_active() and interpreter_unusable_reason() is None
+        return usable and problem.dtype != BF16
     return problem.head_dim <= SPEC_MIN_HEAD_DIM_LIMIT.get(backend_name, problem.head_dim)
 
 
@@ -124,7 +127,7 @@ def run_and_check(backend: attnzoo.Backend, case: Case, device: str = "cpu") -> 
         assert torch.equal(getattr(x, key), val), f"input {key} was modified"
     assert torch.equal(o, o_before) and torch.equal(lse, lse_before), "backward modified its o or lse input"
     assert all(outputs[name].dtype == case.dtype for name in ("o", "dq", "dk", "dv"))
-    assert lse.dtype == torch.float32 and tuple(lse.shape) == (case.batch, case.heads, case.seqlen_q)
+    assert lse.dtype == lse_dtype(case.dtype) and tuple(lse.shape) == (case.batch, case.heads, case.seqlen_q)
     checks = testing.oracle_for(x, case.causal, case.scale).check(outputs)
     for name, check in checks.items():
         assert check.ok, f"{name}: {check.message} ({case.dtype})"

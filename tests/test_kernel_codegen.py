@@ -4,7 +4,7 @@
 dim equals its tile (D = 128), every output tile must leave the kernel in 16-byte vector stores and the atomic
 backward's dK/dV in 4-wide float32 reductions: a column mask against the runtime head dim once made them 2-byte
 stores and scalar reductions, which cost the forward up to 1.25x at N = 1k and the atomic backward 2x on the H100
-(docs/NOTES-kernels.md). Runs in a subprocess, because the rest of the suite uses the Triton interpreter.
+(docs/design.md). Runs in a subprocess, because the rest of the suite uses the Triton interpreter.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ def _ptx_report(*args: str) -> list[str]:
     )  # fmt: skip
     if proc.returncode != 0 and "ptxas" in proc.stderr and "No such file" in proc.stderr:
         pytest.skip("this Triton build ships no ptxas")
+    if proc.returncode != 0 and "unexpected keyword argument 'constexprs'" in proc.stderr:
+        pytest.skip("ptx_report compiles through the ASTSource API of Triton 3.4 and later")
     assert proc.returncode == 0, proc.stderr[-2000:]
     return [line for line in proc.stdout.splitlines() if line.strip()]
 

@@ -62,7 +62,7 @@ def test_expressible_calls_run_attnzoo_and_match_torch(monkeypatch, shape, kwarg
     assert len(calls) == 1
     torch.testing.assert_close(ours, theirs, atol=1e-10, rtol=1e-10)
     for a, b in zip(grads, expected, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.parametrize("mask_kind", ["bool", "additive", "bool_2d"])
@@ -135,7 +135,7 @@ def test_small_gpt_trains_as_with_torchs_sdpa(dtype):
     with attnzoo.sdpa_patched():
         losses, grads = train(dtype, "cpu")
     if dtype == torch.float64:
-        torch.testing.assert_close(losses, exact_losses, atol=1e-9, rtol=1e-9)
+        torch.testing.assert_close(losses, exact_losses, atol=1e-12, rtol=1e-12)
         return
     assert_within_rule("loss", losses, torch_losses, exact_losses, dtype)
     for name in exact_grads:

@@ -27,6 +27,7 @@ class TorchTiles:
         p = problem
         self.p, self.block_m, self.block_n, self.device = p, block_m, block_n, device
         self.acc_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        self.lse_dtype = self.acc_dtype  # the contract's lse: float64 for float64 inputs, float32 otherwise
         self.seqlens = None if seqlens_k is None else seqlens_k.to(torch.int64)
         # Read the padding bounds once on the host: the loops below branch on them per tile.
         self.min_seqlen = p.seqlen_k if self.seqlens is None or p.batch == 0 else int(self.seqlens.min())
@@ -75,10 +76,12 @@ class TorchTiles:
 
     @staticmethod
     def probabilities(s: Tensor, lse_tile: Tensor) -> Tensor:
-        """``P = exp(S - lse)`` recomputed from the saved row log-sum-exp; 0 for rows with no visible key."""
-        has_key = torch.isfinite(lse_tile)
-        lse_safe = torch.where(has_key, lse_tile, torch.zeros_like(lse_tile))
-        return torch.exp(s - lse_safe[..., None]) * has_key[..., None]
+        """``P = exp(S - lse)`` recomputed from the saved row log-sum-exp; exactly 0 for hidden keys and for rows
+        with no visible key (``lse = -inf``), NaN in a row whose lse is NaN (a NaN input reached it)."""
+        no_key = torch.isneginf(lse_tile)
+        lse_safe = torch.where(no_key, torch.zeros_like(lse_tile), lse_tile)
+        hidden = torch.isneginf(s) | no_key[..., None]  # exp(-inf - NaN) would be NaN for a hidden key
+        return torch.where(hidden, torch.zeros_like(s), torch.exp(s - lse_safe[..., None]))
 
     @staticmethod
     def grad_scores(p: Tensor, do_tile: Tensor, v_tile: Tensor, delta_tile: Tensor) -> Tensor:

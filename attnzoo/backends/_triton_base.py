@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .._env import triton_interpreter_active
+from .._env import interpreter_unusable_reason, triton_interpreter_active
 from ..backend import Backend
 from ..kernels.tuning import KernelConfig
 from ..validation import Problem
@@ -50,6 +50,8 @@ def triton_extra_reasons(problem: Problem) -> list[str]:
     if problem.device == "cpu":
         if not triton_interpreter_active():
             reasons.append(INTERPRETER_REASON)
+        elif (unusable := interpreter_unusable_reason()) is not None:
+            reasons.append(unusable)
         if problem.dtype == torch.bfloat16:
             reasons.append(INTERPRETER_BF16_REASON)
     return reasons

@@ -76,7 +76,8 @@ class _Geometry:
 
 
 def forward(q, k, v, problem: Problem, seqlens_k, block_m: int = 64, block_n: int = 64):
-    """Online-softmax forward.  Returns ``o`` ``[B, H, Nq, D]`` (NumPy, accumulation dtype) and ``lse`` (float32)."""
+    """Online-softmax forward.  Returns ``o`` ``[B, H, Nq, D]`` and ``lse`` ``[B, H, Nq]``, NumPy arrays in the
+    accumulation dtype (float64 for float64 inputs, float32 otherwise: the contract's lse dtype)."""
     geo = _Geometry(problem, seqlens_k, block_m, block_n)
     q5, k5, v5 = geo.q_view(q), geo.kv_view(k), geo.kv_view(v)
     o = _output(q5.shape, geo.acc)
@@ -103,11 +104,13 @@ def forward(q, k, v, problem: Problem, seqlens_k, block_m: int = 64, block_n: in
             l_i = alpha * l_i + p.sum(axis=-1)
             acc = alpha[..., None] * acc + p @ v_tile
             m_i = m_new
-        seen = l_i > 0
-        o[..., m0 : m0 + block_m, :] = np.where(seen[..., None], acc / np.where(seen, l_i, 1.0)[..., None], 0.0)
-        lse[..., m0 : m0 + block_m] = np.where(seen, m_i + np.log(np.where(seen, l_i, 1.0)), -np.inf)
+        # l = 0 exactly for a row that saw no key.  A NaN score makes l NaN, which fails the test, so the NaN
+        # reaches o and lse instead of passing for a fully masked row.
+        empty = l_i == 0
+        o[..., m0 : m0 + block_m, :] = np.where(empty[..., None], 0.0, acc / np.where(empty, 1.0, l_i)[..., None])
+        lse[..., m0 : m0 + block_m] = np.where(empty, -np.inf, m_i + np.log(np.where(empty, 1.0, l_i)))
     shape4 = (problem.batch, problem.heads, problem.seqlen_q, problem.head_dim)
-    return o.reshape(shape4), lse.reshape(shape4[:-1]).astype(np.float32)
+    return o.reshape(shape4), lse.reshape(shape4[:-1])
 
 
 def backward(do, q, k, v, o, lse, problem: Problem, seqlens_k, block_m: int = 64, block_n: int = 64):

@@ -25,7 +25,8 @@ Tensor = torch.Tensor
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, tiles: TorchTiles) -> tuple[Tensor, Tensor]:
-    """Returns ``o`` ``[B, H, Nq, D]`` (dtype of q) and ``lse`` ``[B, H, Nq]`` float32."""
+    """Returns ``o`` ``[B, H, Nq, D]`` (dtype of q) and ``lse`` ``[B, H, Nq]`` (float64 for float64 inputs, else
+    float32)."""
     q5, k5, v5 = tiles.q_view(q), tiles.kv_view(k), tiles.kv_view(v)
     acc_dtype = tiles.acc_dtype
     o5 = torch.zeros(q5.shape, dtype=acc_dtype, device=q.device)
@@ -48,16 +49,18 @@ def forward(q: Tensor, k: Tensor, v: Tensor, tiles: TorchTiles) -> tuple[Tensor,
             m_new = torch.maximum(m_old, m_blk)
             m_new_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
             old_scale = torch.exp(m_old - m_new_safe) * l_old
-            blk_scale = torch.where(l_blk > 0, torch.exp(m_blk_safe - m_new_safe), torch.zeros_like(l_blk))
+            # l = 0 exactly where no key was seen; a NaN score makes l NaN, which these tests let through.
+            blk_scale = torch.where(l_blk == 0, torch.zeros_like(l_blk), torch.exp(m_blk_safe - m_new_safe))
             l_new = old_scale + blk_scale * l_blk
-            l_div = torch.where(l_new > 0, l_new, torch.ones_like(l_new))
+            l_div = torch.where(l_new == 0, torch.ones_like(l_new), l_new)
             o5[..., rows, :] = (old_scale[..., None] * o5[..., rows, :] + blk_scale[..., None] * (p_blk @ v_tile)) / (
                 l_div[..., None]
             )
             m_all[..., rows], l_all[..., rows] = m_new, l_new
-    has_key = l_all > 0
-    lse = torch.where(has_key, m_all + torch.log(torch.where(has_key, l_all, torch.ones_like(l_all))), float("-inf"))
-    return tiles.finish(o5.to(q.dtype)), lse.float().reshape(tiles.p.batch, tiles.p.heads, tiles.p.seqlen_q)
+    empty = l_all == 0
+    lse = torch.where(empty, float("-inf"), m_all + torch.log(torch.where(empty, torch.ones_like(l_all), l_all)))
+    lse = lse.to(tiles.lse_dtype).reshape(tiles.p.batch, tiles.p.heads, tiles.p.seqlen_q)
+    return tiles.finish(o5.to(q.dtype)), lse
 
 
 def backward(

@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..cli import positive_int
 from . import ncu as ncu_tools
 from .io_theory import H100_SRAM_BYTES, THEORY_COLUMNS, theory_row
 from .schema import parse_lengths
@@ -231,50 +232,83 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def _lengths(text: str) -> str:
+    """A comma list of sequence lengths, checked and passed on as text (the commands parse it)."""
+    try:
+        values = parse_lengths(text)
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be a comma list of positive lengths (2k = 2048), got {text!r}")
+    return text
+
+
+def _check_measure_csv(path: Path) -> None:
+    """Refuse, in one line, a file that is not an ``io measure`` CSV (a bench CSV, say)."""
+    if not path.is_file():
+        raise SystemExit(f"python -m attnzoo io plot: error: {path}: no such file")
+    with path.open(newline="") as f:
+        header = next(csv.reader(f), [])
+    missing = [c for c in ("impl", "pass", "N", "dram_read_bytes", "copy_TBps") if c not in header]
+    if missing:
+        raise SystemExit(
+            f"python -m attnzoo io plot: error: {path} is not a CSV of python -m attnzoo io measure "
+            f"(no column {', '.join(missing)})"
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m attnzoo io", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command")
+    sub = p.add_subparsers(dest="command", help="theory when none is given")
 
     theory = sub.add_parser("theory", help="modelled HBM bytes over N (no GPU)")
-    theory.add_argument("--N", default="512,1024,2048,4096,8192,16384")
-    theory.add_argument("--D", default="64,128")
-    theory.add_argument("--B", type=int, default=1)
-    theory.add_argument("--H", type=int, default=16)
-    theory.add_argument("--elem-bytes", type=int, default=2, help="bytes per element (2 for fp16/bf16)")
-    theory.add_argument("--sram-bytes", type=int, default=H100_SRAM_BYTES, help="M of the analysis (H100: 227 KB)")
+    theory.add_argument("--N", type=_lengths, default="512,1024,2048,4096,8192,16384", help="sequence lengths")
+    theory.add_argument("--D", type=_lengths, default="64,128", help="head dims, comma list")
+    theory.add_argument("--B", type=positive_int, default=1, help="batch size")
+    theory.add_argument("--H", type=positive_int, default=16, help="heads")
+    theory.add_argument("--elem-bytes", type=positive_int, default=2, help="bytes per element (2 for fp16/bf16)")
+    theory.add_argument(
+        "--sram-bytes", type=positive_int, default=H100_SRAM_BYTES, help="M of the analysis (H100: 227 KB)"
+    )
     theory.add_argument("--out", default=None, help="CSV path (default: stdout)")
 
     def shape_args(q: argparse.ArgumentParser, N: str) -> None:
-        q.add_argument("--impl", default="triton_2kernel,sdpa_flash,sdpa_math")
-        q.add_argument("--N", default=N)
-        q.add_argument("--D", type=int, default=128)
-        q.add_argument("--B", type=int, default=1)
-        q.add_argument("--H", type=int, default=16)
-        q.add_argument("--dtype", default="fp16")
-        q.add_argument("--causal", default="no", choices=["yes", "no"])
+        q.add_argument("--impl", default="triton_2kernel,sdpa_flash,sdpa_math", help="comma list of bench impls")
+        q.add_argument("--N", default=N, help="sequence lengths, comma list (2k = 2048)")
+        q.add_argument("--D", type=positive_int, default=128, help="head dim")
+        q.add_argument("--B", type=positive_int, default=1, help="batch size")
+        q.add_argument("--H", type=positive_int, default=16, help="heads")
+        q.add_argument("--dtype", default="fp16", help="fp16, bf16, fp32 or fp64")
+        q.add_argument("--causal", default="no", choices=["yes", "no"], help="causal mask")
 
     target = sub.add_parser("target", help="internal: one profiled call, run under ncu")
     shape_args(target, "1024")
-    target.add_argument("--pass", dest="pass_", default="fwd", choices=["fwd", "bwd"])
+    target.add_argument("--pass", dest="pass_", default="fwd", choices=["fwd", "bwd"], help="which pass to profile")
 
     measure = sub.add_parser("measure", help="DRAM bytes per (impl, N, pass) with ncu (GPU machine)")
     shape_args(measure, "1024,4096,16384")
-    measure.add_argument("--pass", dest="pass_", default="fwd,bwd")
-    measure.add_argument("--sram-bytes", type=int, default=H100_SRAM_BYTES)
+    measure.add_argument("--pass", dest="pass_", default="fwd,bwd", help="fwd, bwd or both (comma list)")
+    measure.add_argument(
+        "--sram-bytes", type=positive_int, default=H100_SRAM_BYTES, help="M of the model columns (H100: 227 KB)"
+    )
     measure.add_argument("--ncu", default=None, help="path of ncu (default: from PATH)")
     measure.add_argument("--timeout-s", type=int, default=300, help="limit for one ncu process")
     measure.add_argument("--time-budget-s", type=float, default=0, help="start no profile after this (0: no limit)")
-    measure.add_argument("--out", default="io_ncu.csv")
+    measure.add_argument("--out", default="io_ncu.csv", help="CSV path")
     measure.add_argument("--keep-logs", default=None, help="folder for ncu's raw output, one file per profile")
 
     plot = sub.add_parser("plot", help="roofline and bytes-vs-theory figures from a measure CSV")
-    plot.add_argument("csv")
-    plot.add_argument("--out-dir", default="bench/results")
+    plot.add_argument("csv", help="a CSV written by python -m attnzoo io measure")
+    plot.add_argument("--out-dir", default="bench/results", help="where the PNGs go")
     plot.add_argument("--prefix", default=None, help="file-name prefix (default: machine tag from the CSV)")
 
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["theory", *argv]  # theory is the default subcommand
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.command == "target":
         args.N = int(parse_lengths(args.N)[0])
     return args
@@ -282,6 +316,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.command == "plot":
+        _check_measure_csv(Path(args.csv))
     commands = {"theory": cmd_theory, "target": cmd_target, "measure": cmd_measure, "plot": cmd_plot}
     return commands[args.command](args)
 

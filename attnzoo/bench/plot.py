@@ -16,6 +16,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from ..cli import positive_int
 from .machine import machine_tag
 from .schema import STATUS_OK, read_csv, status_kind
 
@@ -240,12 +241,18 @@ def write_figures(rows: list[dict], out_dir: Path, prefix: str, dpi: int = 90) -
             fig.savefig(path, dpi=dpi)
             plt.close(fig)
             written.append(path)
-    fig = figure_speedup_summary(rows, impls, colors)
-    path = out_dir / f"{prefix}_speedup_summary.png"
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
-    written.append(path)
+    if has_speedups(rows):  # a CPU run has no SDPA flash or cuDNN row to compare with
+        fig = figure_speedup_summary(rows, impls, colors)
+        path = out_dir / f"{prefix}_speedup_summary.png"
+        fig.savefig(path, dpi=dpi)
+        plt.close(fig)
+        written.append(path)
     return written
+
+
+def has_speedups(rows: list[dict]) -> bool:
+    """Whether any measured train row has a speedup over SDPA flash (what the summary figure draws)."""
+    return any(r["mode"] == "train" and r["speedup_vs_sdpa_flash"] is not None for r in _ok(rows))
 
 
 # -- README tables ------------------------------------------------------------------------------------------------
@@ -336,23 +343,37 @@ def write_generated_block(path: Path, text: str) -> None:
     path.write_text(new)
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m attnzoo plot", description=__doc__.split("\n\n")[0])
     p.add_argument("csv", nargs="+", help="CSVs written by python -m attnzoo bench (rows are concatenated)")
     p.add_argument("--out-dir", default=None, help="where the PNGs go (default: the CSV's folder)")
     p.add_argument("--prefix", default=None, help="file-name prefix (default: the machine tag, e.g. h100)")
-    p.add_argument("--dpi", type=int, default=90)
+    p.add_argument("--dpi", type=positive_int, default=90, help="resolution of the PNGs")
     p.add_argument("--readme", action="store_true", help="print the markdown performance section, draw nothing")
     p.add_argument("--readme-out", default=None, help="write the markdown section to this file (draws nothing)")
     p.add_argument("--readme-N", default="2048,16384", help="sequence lengths of the README table")
     p.add_argument("--io-csv", default=None, help="with --readme: append the DRAM-bytes table of an io measure CSV")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
-    args = parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     csv_paths = [Path(p) for p in args.csv]
-    rows = [row for path in csv_paths for row in read_csv(path)]
+    for path in csv_paths:
+        if not path.is_file():
+            parser.error(f"{path}: no such file")
+    try:
+        rows = [row for path in csv_paths for row in read_csv(path)]
+    except (KeyError, ValueError) as exc:
+        parser.error(f"{', '.join(args.csv)} is not a CSV of python -m attnzoo bench ({type(exc).__name__}: {exc})")
+    missing = [c for c in ("mode", "impl", "N", "D", "status") if rows and c not in rows[0]]
+    if missing:
+        parser.error(f"{', '.join(args.csv)} is not a CSV of python -m attnzoo bench (no column {', '.join(missing)})")
     if not rows:
         print(f"{', '.join(args.csv)} has no rows", file=sys.stderr)
         return 1
@@ -360,7 +381,10 @@ def main(argv: list[str]) -> int:
     prefix = args.prefix or machine_tag(rows[0]["gpu_name"])
     out_dir = Path(args.out_dir) if args.out_dir else csv_paths[0].parent
     if args.readme or args.readme_out:
-        Ns = [int(n) for n in args.readme_N.split(",") if n]
+        try:
+            Ns = [int(n) for n in args.readme_N.split(",") if n]
+        except ValueError:
+            parser.error(f"--readme-N must be a comma list of sequence lengths, got {args.readme_N!r}")
         # Links in the markdown are relative to the file it goes into (bench/README.md or the top-level README).
         markdown_dir = Path(args.readme_out).resolve().parent if args.readme_out else out_dir.resolve()
         figure = os.path.relpath(out_dir.resolve() / f"{prefix}_speedup_summary.png", markdown_dir)
@@ -377,4 +401,6 @@ def main(argv: list[str]) -> int:
         return 0
     written = write_figures(rows, out_dir, prefix, args.dpi)
     print(f"wrote {len(written)} figures to {out_dir}", file=sys.stderr)
+    if not has_speedups(rows):
+        print("no speedup summary: no train row has a speedup over sdpa_flash (a CPU run, say)", file=sys.stderr)
     return 0

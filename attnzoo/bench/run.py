@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .. import cli
 from ..kernels import tuning
 from ..testing import random_inputs
 from . import impls as impl_registry
@@ -108,24 +109,43 @@ def _wants_cuda(argv: list[str]) -> bool:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    cuda = _wants_cuda(argv)
+    p = build_parser(_wants_cuda(argv))
+    args = p.parse_args(argv)
+    _check(p, args)
+    return args
+
+
+def build_parser(cuda: bool) -> argparse.ArgumentParser:
+    """The flags, with the defaults of a GPU run (``cuda``) or of a CPU run."""
     defaults = GPU_DEFAULTS if cuda else CPU_DEFAULTS
-    p = argparse.ArgumentParser(prog="python -m attnzoo bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m attnzoo bench",
+        description=__doc__.split("\n\n")[0],
+        epilog="python -m attnzoo bench ab IMPL IMPL ... times implementations against each other on the same "
+        "inputs in alternating rounds (bench ab --help).",
+    )
     p.add_argument(
         "--device", default="cuda" if cuda else "cpu", choices=["cpu", "cuda"], help="default: cuda when available"
     )
     p.add_argument("--mode", default="fwd,train", help="fwd, train, or both (comma list accepted)")
     p.add_argument("--dtype", default=defaults["dtype"], help="comma list of fp16, bf16, fp32, fp64")
-    p.add_argument("--causal", default="both", choices=["yes", "no", "both"])
+    p.add_argument("--causal", default="both", choices=["yes", "no", "both"], help="bottom-right causal mask")
     p.add_argument("--d", default=defaults["d"], help="head dims, comma list")
     p.add_argument("--N", default=defaults["N"], help="sequence lengths, comma list (2k = 2048)")
-    p.add_argument("--B", type=int, default=None, help="batch size (default: tokens / N)")
-    p.add_argument("--H", type=int, default=None, help="query heads (default: width / D)")
-    p.add_argument("--Hkv", type=int, default=None, help="K/V heads (default: H)")
-    p.add_argument("--tokens", type=int, default=defaults["tokens"], help="token budget B*N when --B is not given")
-    p.add_argument("--width", type=int, default=defaults["width"], help="model width H*D when --H is not given")
+    p.add_argument("--B", type=cli.positive_int, default=None, help="batch size (default: tokens / N)")
+    p.add_argument("--H", type=cli.positive_int, default=None, help="query heads (default: width / D)")
+    p.add_argument("--Hkv", type=cli.positive_int, default=None, help="K/V heads; H must be a multiple (default: H)")
     p.add_argument(
-        "--seqlen-k-frac", type=float, default=1.0, help="visible keys per batch as a fraction of N (<1: seqlens_k)"
+        "--tokens", type=cli.positive_int, default=defaults["tokens"], help="token budget B*N when --B is not given"
+    )
+    p.add_argument(
+        "--width", type=cli.positive_int, default=defaults["width"], help="model width H*D when --H is not given"
+    )
+    p.add_argument(
+        "--seqlen-k-frac",
+        type=cli.finite_float,
+        default=1.0,
+        help="visible keys per batch as a fraction of N (<1: seqlens_k)",
     )
     p.add_argument(
         "--impl",
@@ -133,47 +153,80 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help=f"comma list of impl specs or 'all'; known: {', '.join(impl_registry.impl_names())}; a backend's variant "
         "is name:key=value,... (e.g. triton_atomic:delta=recompute)",
     )
-    p.add_argument("--warmup", type=int, default=5 if cuda else 1, help="untimed calls before timing")
-    p.add_argument("--repeat", type=int, default=20 if cuda else 3, help="timed calls (the median is kept)")
+    p.add_argument("--warmup", type=cli.nonnegative_int, default=5 if cuda else 1, help="untimed calls before timing")
+    p.add_argument(
+        "--repeat", type=cli.positive_int, default=20 if cuda else 3, help="timed calls (the median is kept)"
+    )
     p.add_argument(
         "--warmup-ms",
-        type=float,
+        type=cli.nonnegative_float,
         default=100.0 if cuda else 0.0,
         help="untimed calls go on until they have run this long (the GPU's clocks settle after autotuning)",
     )
     p.add_argument(
         "--max-call-s",
-        type=float,
+        type=cli.nonnegative_float,
         default=1.0 if cuda else 10.0,
         help="a step (forward + backward) slower than this after compilation is recorded as skipped, and so are "
         "larger N of that impl: on a GPU this keeps the Python-loop references from eating the run's time",
     )
-    p.add_argument("--time-budget-s", type=float, default=0, help="start no case after this many seconds (0: no limit)")
+    p.add_argument(
+        "--time-budget-s",
+        type=cli.nonnegative_float,
+        default=0,
+        help="start no case after this many seconds (0: no limit)",
+    )
     p.add_argument(
         "--recheck",
-        type=float,
+        type=cli.nonnegative_float,
         default=1.15 if cuda else 0.0,
         help="re-measure a shape (all its rows) once when forward times that cannot differ do, by more than this "
         "factor: one impl in fwd and train mode, or impls that run the same forward code; each row keeps the "
         "faster of its two measurements (0: off)",
     )
     p.add_argument("--out", default=None, help="CSV path (default bench/results/<machine>_bench.csv)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (each case draws its own)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    return p
+
+
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every flag checked before any case runs: a bad one is a usage error (one line, exit 2)."""
+    cli.check_device(p, args.device)
+    try:
+        if args.mode != "both":
+            cli.pick_names(args.mode, ["fwd", "train"], "mode")
+        cli.pick_names(args.dtype, DTYPES, "dtype")
+        if args.impl != "all":
+            specs = impl_registry.split_impl_list(args.impl)
+            if not specs:
+                raise ValueError(f"no impl named in {args.impl!r}")
+            for spec in specs:
+                name = impl_registry.parse_impl_spec(spec)[0]
+                if name not in impl_registry.impl_names():
+                    raise ValueError(cli.unknown_name("impl", name, impl_registry.impl_names()))
+                impl_registry.get_impl(spec)  # a bad option of a known backend: its TypeError/ValueError
+    except (ValueError, TypeError) as exc:
+        p.error(str(exc))
+    for flag, text in (("--d", args.d), ("--N", args.N)):
+        try:
+            values = _ints(text) if flag == "--d" else parse_lengths(text)
+        except ValueError:
+            p.error(f"{flag} must be a comma list of positive integers, got {text!r}")
+        if not values or min(values) < 1:
+            p.error(f"{flag} must be a comma list of positive integers, got {text!r}")
+    if not 0 < args.seqlen_k_frac <= 1:
+        p.error(f"--seqlen-k-frac must lie in (0, 1], got {args.seqlen_k_frac:g}")
+    for D in _ints(args.d):
+        H = args.H or max(1, args.width // D)
+        if args.Hkv and H % args.Hkv:
+            p.error(f"H = {H} (at D = {D}) is not a multiple of --Hkv {args.Hkv}")
 
 
 def build_grid(args: argparse.Namespace) -> list[Case]:
     """The cases in run order: grouped by (dtype, D, causal, mode), each impl over increasing N."""
     modes = ["fwd", "train"] if args.mode == "both" else [m for m in args.mode.split(",") if m]
-    for mode in modes:
-        if mode not in ("fwd", "train"):
-            raise SystemExit(f"--mode must be fwd, train or both, got {mode!r}")
-    dtypes = []
-    for name in args.dtype.split(","):
-        if name not in DTYPES:
-            raise SystemExit(f"--dtype {name!r} unknown; use {', '.join(DTYPE_NAMES.values())}")
-        dtypes.append(DTYPES[name])
+    dtypes = [DTYPES[name] for name in args.dtype.split(",") if name]  # names checked by parse_args
     causals = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
     if args.impl == "all":
         names = impl_registry.default_impls(args.device == "cuda")
@@ -386,6 +439,10 @@ def run_grid(cases: list[Case], args, device: torch.device, out: Path | None = N
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "ab":  # the subcommand that times impls against each other in alternating rounds
+        from .ab import main as ab_main
+
+        return ab_main(argv[1:])
     args = parse_args(argv)
     device = torch.device(args.device)
     cases = build_grid(args)

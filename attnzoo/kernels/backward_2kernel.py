@@ -85,7 +85,7 @@ def _dkdv_stage(
     Q_TAIL: the last Q tile reaches past ``seqlen_q``; its padding rows load as zeros with lse = +inf, so their
     P is 0 (only the loads are masked).  Without a tail the loads carry no predicate at all: this kernel sits
     at the 255-register limit, and the predicated loads made it spill more and run 1.1-1.2x slower on the
-    H100 (docs/NOTES-kernels.md).
+    H100 (docs/design.md).
     """
     local_m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)

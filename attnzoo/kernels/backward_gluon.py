@@ -4,7 +4,7 @@ Q tile runs while the tensor cores do that tile's other products.
 ``backward_2kernel.py``'s Triton dK/dV kernel waits for both ``S^T = K Q^T`` and ``dP^T = V dO^T`` before any of
 its arithmetic, and for the arithmetic before issuing ``dV`` and ``dK``: on the H100 its tensor pipe was busy 59% of
 the time (ncu, fp16 D=128 8k; the dQ kernel 70%), at 507-520 executed TFLOP/s against the dQ kernel's 561-608
-(docs/NOTES-kernels.md).  Here each warpgroup issues its products asynchronously and waits for each only where its
+(docs/design.md).  Here each warpgroup issues its products asynchronously and waits for each only where its
 result is needed, so that one product always runs under the arithmetic.  Iteration ``t`` (Q tile ``t`` of the
 K/V block's loop), with ``P = exp2(S * scale * log2(e) - lse2)`` and ``dS = P * (dP - Delta)``:
 
@@ -26,7 +26,7 @@ dQ kernel, which runs first.
 Padding needs no predicate: TMA reads zeros for Q and dO rows past Nq, so those rows contribute nothing (and their
 lse2 loads as +inf), and K/V rows past Nk give gradient rows that the TMA store drops.  Only the tiles on the causal
 diagonal apply a mask.  On the H100 the whole backward ran 1.02-1.07x faster than with the best Triton dK/dV tile at
-D=128 and 0.84-0.96x at D=64 (fp16; the autotuner chooses; docs/NOTES-kernels.md).
+D=128 and 0.84-0.96x at D=64 (fp16; the autotuner chooses; docs/design.md).
 
 Scope (``KernelVariant.DKDV.gluon_scope`` in ``launch.py``): that of the Gluon forward, and dO addressable by TMA.
 ``seqlens_k`` is out of it: K/V rows past ``seqlens_k[b]`` may hold NaN, which ``dP^T`` would carry into dK rows that

@@ -51,7 +51,7 @@ def tile_in_bounds(rows, row_limit, cols, head_dim, EVEN_D: tl.constexpr):
 
     With EVEN_D it is the ``[rows, 1]`` row test alone (broadcast by the store): a mask constant along a row
     lets the compiler keep 16-byte vector stores, where the column test against the runtime ``head_dim``
-    made every element a 2-byte store (seen in the PTX of the forward; docs/NOTES-kernels.md).
+    made every element a 2-byte store (seen in the PTX of the forward; docs/design.md).
     """
     if EVEN_D:
         in_bounds = rows[:, None] < row_limit

@@ -3,7 +3,7 @@ tile's ``P V``, and with 128-row tiles one warpgroup's softmax runs while the ot
 
 ``forward.py``'s Triton kernel waits for each ``S = Q K^T`` before its softmax and for the softmax before
 ``P V``: on the H100 the tensor cores idle during the exponentials (ncu: tensor pipe active 50% of the time at
-D=128, cuDNN 74%; docs/NOTES-kernels.md), and Triton 3.6 neither keeps such a product asynchronous nor compiles
+D=128, cuDNN 74%; docs/design.md), and Triton 3.6 neither keeps such a product asynchronous nor compiles
 warp specialisation on Hopper.  Gluon (``triton.experimental.gluon``) exposes the asynchronous ``wgmma`` and its
 wait directly, so each warpgroup (64 query rows) orders its loop as FlashAttention-3 does (Shah et al., 2024,
 "intra-warpgroup overlapping", their Algorithm 2).  Iteration ``j``:
@@ -26,7 +26,7 @@ its bytes have landed.  Two arrangements, by the number of warpgroups per Q bloc
   (FlashAttention-3's "ping-pong", here left to the warp schedulers).  On the H100 this made the 128 x 128 tile
   1.20-1.24x faster at D=128 than the same tile with both warpgroups issuing their own loads, in step, at four
   CTA-wide barriers per iteration (fp16, N = 2k and 8k), and 1.15-1.29x faster than the best 64-row tile (fp16 and
-  bf16; docs/NOTES-kernels.md).
+  bf16; docs/design.md).
 
 Scope (``KernelVariant.FORWARD.gluon_scope`` in ``launch.py`` says why a call runs ``forward.py``'s kernel
 instead): an sm_90 GPU, float16/bfloat16, head dims 64 and 128, no ``seqlens_k`` (TMA zero-fills past Nk only: V

@@ -38,7 +38,9 @@ try:
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 except (ImportError, AttributeError):  # pragma: no cover - no usable Gluon Hopper API: the Triton kernels serve
-    gluon = None
+    # Triton before 3.4 has no Gluon.  The kernel modules still import these names (and define no kernel).
+    gluon = gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = None
+    GluonTensorDescriptor = tma_load = tma_store = cta_barrier = None
 
 __all__ = [
     "HOPPER_DTYPES",
@@ -91,6 +93,9 @@ if gluon is not None:
         slot = index % NUM_STAGES
         mbarrier.wait(bars.index(slot), (index // NUM_STAGES) & 1)
         return ring.index(slot).reshape([ROWS, BLOCK_D])
+
+else:  # pragma: no cover - see the import above
+    accumulator_layout = ring_load = ring_wait = None
 
 
 _compile_failure: list[str] = []  # the first compilation error of a Gluon kernel in this process, if any

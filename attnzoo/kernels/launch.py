@@ -108,7 +108,7 @@ def folds_scale(scale: float, block_d: int) -> bool:
 
     Only where the softmax's instructions rival the matrix products: head-dim tiles up to 64.  At 128 the products
     dominate, and on the H100 the fold cost 5-9% in the causal forward (more registers: ptxas spills 48 B at
-    128 x 128; docs/NOTES-kernels.md).  Never for a scale <= 0 (the kernel's FOLD_SCALE path needs it positive).
+    128 x 128; docs/design.md).  Never for a scale <= 0 (the kernel's FOLD_SCALE path needs it positive).
     """
     return scale > 0 and block_d <= 64
 

@@ -107,13 +107,13 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         KernelConfig(64, 64, 4, 3),
         KernelConfig(64, 32, 4, 2),
         # TMA loads of K/V: up to +4% in the non-causal forward on the H100, -8% at D=128 causal 128 x 128
-        # (docs/NOTES-kernels.md), so both kinds stay candidates.
+        # (docs/design.md), so both kinds stay candidates.
         KernelConfig(128, 128, 8, 3, tma=True),
         KernelConfig(128, 64, 8, 3, tma=True),
         KernelConfig(128, 64, 8, 4, tma=True),
         # The Gluon Hopper forward (softmax overlapped with P V). 64-row tiles (one warpgroup loading its own tiles)
         # leave room for two or three CTAs per SM, whose phases interleave: at D = 64, 64 x 128 w4 won every point
-        # (docs/NOTES-kernels.md). 128-row tiles are warp-specialised (a producer warp, two warpgroups out of step):
+        # (docs/design.md). 128-row tiles are warp-specialised (a producer warp, two warpgroups out of step):
         # at D = 128 they ran 1.15-1.25x the best 64-row tile (fp16, N = 2k and 8k).
         KernelConfig(64, 128, 4, 2, gluon=True),
         KernelConfig(64, 64, 4, 2, gluon=True),
@@ -122,7 +122,7 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         KernelConfig(128, 128, 8, 3, gluon=True),
     ],
     # K/V-stationary dK/dV: BLOCK_N keys resident, BLOCK_M query rows streamed.
-    # Order: measured fastest first at fp16 D=128 N=2048 on the H100 (docs/NOTES-kernels.md).
+    # Order: measured fastest first at fp16 D=128 N=2048 on the H100 (docs/design.md).
     "dkdv": [
         KernelConfig(32, 64, 4, 3),
         KernelConfig(32, 128, 8, 3),
@@ -135,7 +135,7 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         # The Gluon Hopper dK/dV kernel (softmax-gradient arithmetic overlapped with the products; BLOCK_N = 16 *
         # num_warps: one warpgroup per 64 resident keys). On the H100, fp16, the whole backward with 64 x 64 w4 s2
         # (two CTAs per SM) ran 1.02-1.07x the best Triton tile at D = 128 and 0.84-0.96x at D = 64; 64 x 128 w8 s2
-        # 0.95-1.00x at D = 128; 32-row tiles and 3 stages were slower (docs/NOTES-kernels.md).
+        # 0.95-1.00x at D = 128; 32-row tiles and 3 stages were slower (docs/design.md).
         KernelConfig(64, 64, 4, 2, gluon=True),
         KernelConfig(64, 128, 8, 2, gluon=True),
     ],
@@ -149,7 +149,7 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         KernelConfig(128, 64, 4, 3),
         # K/V of the unmasked stage through TMA, as in the forward: +0.3 to +5.4% (median +2.1%) over the same tiles
         # with pointer loads, in the whole fp16 backward on the H100 (D = 64 and 128, full and causal, 24 pinned
-        # tile pairs; docs/NOTES-kernels.md).
+        # tile pairs; docs/design.md).
         KernelConfig(128, 64, 8, 3, tma=True),
         KernelConfig(64, 64, 4, 3, tma=True),
     ],
@@ -231,11 +231,11 @@ class Autotuner:
 
     One timing per candidate does not separate candidates a few percent apart: on the H100 the order of close
     candidates changed from one tuning to the next (fp16 D=64 N=8192: a dK/dV tile 4% slower than the best was
-    picked in two tunings of three; with the re-timing, the best in all three; docs/NOTES-kernels.md).  Timing
+    picked in two tunings of three; with the re-timing, the best in all three; docs/design.md).  Timing
     the close ones in alternating rounds spreads any drift of the GPU's state over all of them.  All candidates
     are compiled before any is timed, so that no timing follows a second of idle GPU (compilation is host work).
     One timing can also be far off: a grid's tuning timed the dQ tile that won every other D=128 key 18-20% slow at
-    fp16 N=16k, outside the re-timing's 10%, and the backward there lost 5-6% (docs/NOTES-kernels.md).  So the
+    fp16 N=16k, outside the re-timing's 10%, and the backward there lost 5-6% (docs/design.md).  So the
     screening times every plausible candidate twice, the second time in reverse order (after other neighbours),
     and keeps its faster timing: a timing is rarely too fast, while a slow phase of the GPU makes it too slow.
     ``reset`` runs before every timed and final launch.
