@@ -23,6 +23,8 @@ Tensor = torch.Tensor
 
 # Features of SPEC.md that every backend must support; the property tests check the declarations against it.
 REQUIRED_FEATURES = frozenset({"causal", "seqlens_k", "gqa", "nq_ne_nk", "strided"})
+# SPEC.md's score modifiers and a value head dim of its own (issue 25): a backend that lacks one says so.
+SCORE_MODIFIER_FEATURES = frozenset({"window", "softcap", "alibi", "head_dim_v"})
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class Backend:
             reasons.append(f"dtype {str(problem.dtype).removeprefix('torch.')} not supported (supports {names})")
         if caps.max_head_dim is not None and problem.head_dim > caps.max_head_dim:
             reasons.append(f"head dim {problem.head_dim} above the limit {caps.max_head_dim}")
+        for feature in sorted(problem.features_used - caps.features):
+            reasons.append(f"{feature} not supported")
         if caps.extra_reasons is not None:
             reasons.extend(caps.extra_reasons(problem))
         return reasons
@@ -79,17 +83,23 @@ class Backend:
         causal: bool = False,
         scale: float | None = None,
         seqlens_k: Any = None,
+        window: tuple[int | None, int | None] | None = None,
+        softcap: float = 0.0,
+        alibi_slopes: Any = None,
     ) -> list[str]:
         """Validate the inputs and return why this backend cannot run them ([] when it can).
 
         Bad input, a head dim above the backend's limit included, raises as in ``forward``.
         """
-        problem = self._validate(q, k, v, causal, scale, seqlens_k)
+        problem = self._validate(q, k, v, causal, scale, seqlens_k, window, softcap, alibi_slopes)
         self._check_head_dim(problem)
         return self.reasons_for(problem)
 
-    def _validate(self, q, k, v, causal, scale, seqlens_k) -> Problem:
-        return validate_forward(q, k, v, causal, scale, seqlens_k, allow_numpy=self.capabilities.accepts_numpy)
+    def _validate(self, q, k, v, causal, scale, seqlens_k, window=None, softcap=0.0, alibi_slopes=None) -> Problem:
+        return validate_forward(
+            q, k, v, causal, scale, seqlens_k, window, softcap, alibi_slopes,
+            allow_numpy=self.capabilities.accepts_numpy,
+        )  # fmt: skip
 
     def _check_head_dim(self, problem: Problem) -> None:
         limit = self.capabilities.max_head_dim
@@ -113,13 +123,18 @@ class Backend:
         causal: bool = False,
         scale: float | None = None,
         seqlens_k: Any = None,
+        window: tuple[int | None, int | None] | None = None,
+        softcap: float = 0.0,
+        alibi_slopes: Any = None,
     ) -> tuple[Any, Any]:
         """Attention forward.
 
         q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nk, D]``; seqlens_k: integer ``[B]`` or None.
         Returns ``o`` (``[B, H, Nq, D]``, dtype of q) and ``lse`` (``[B, H, Nq]``, float32).
         """
-        return self.forward_validated(q, k, v, self._validate(q, k, v, causal, scale, seqlens_k))
+        return self.forward_validated(
+            q, k, v, self._validate(q, k, v, causal, scale, seqlens_k, window, softcap, alibi_slopes)
+        )
 
     def forward_validated(self, q: Any, k: Any, v: Any, problem: Problem) -> tuple[Any, Any]:
         """``forward`` on inputs already validated into ``problem`` (by ``attention``, which validates once)."""
@@ -140,13 +155,18 @@ class Backend:
         causal: bool = False,
         scale: float | None = None,
         seqlens_k: Any = None,
+        window: tuple[int | None, int | None] | None = None,
+        softcap: float = 0.0,
+        alibi_slopes: Any = None,
     ) -> tuple[Any, Any, Any]:
         """Attention backward from the forward's ``o`` and ``lse``.
 
         do, o: ``[B, H, Nq, D]``; lse: ``[B, H, Nq]`` float32.  Returns ``dq`` (shape of q) and
         ``dk``, ``dv`` (shape of k, summed over the query heads of each K/V group).
         """
-        return self.backward_validated(do, q, k, v, o, lse, self._validate(q, k, v, causal, scale, seqlens_k))
+        return self.backward_validated(
+            do, q, k, v, o, lse, self._validate(q, k, v, causal, scale, seqlens_k, window, softcap, alibi_slopes)
+        )
 
     def backward_validated(
         self, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, problem: Problem
@@ -210,9 +230,10 @@ def _is_empty(problem: Problem) -> bool:
 def _empty_forward(q, problem: Problem):
     """``o`` of the shape of q and ``lse`` ``[B, H, 0 or Nq]``, both empty."""
     shape = (problem.batch, problem.heads, problem.seqlen_q)
+    o_shape = (*shape, problem.head_dim_v)
     if isinstance(q, np.ndarray):
-        return np.zeros(q.shape, q.dtype), np.zeros(shape, np.float32)
-    return q.new_zeros(q.shape), torch.zeros(shape, dtype=torch.float32, device=q.device)
+        return np.zeros(o_shape, q.dtype), np.zeros(shape, np.float32)
+    return q.new_zeros(o_shape), torch.zeros(shape, dtype=torch.float32, device=q.device)
 
 
 def _empty_backward(q, k, v):

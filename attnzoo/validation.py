@@ -51,11 +51,37 @@ class Problem:
     is_numpy: bool
     device_name: str = "cpu"  # the full device, e.g. "cuda:1"
     seqlens_k: Any = field(default=None, compare=False, repr=False)
+    # SPEC.md's score modifiers and v's own head dim (issue 25): ``window`` is ``(left, right)`` (each an int or None:
+    # unbounded) or None; ``softcap`` 0.0 when off; ``alibi_slopes`` the validated float32 ``[H]`` or ``[B, H]``
+    # tensor as given, or None; ``head_dim_v`` 0 means ``head_dim``.
+    head_dim_v: int = 0
+    window: tuple[int | None, int | None] | None = None
+    softcap: float = 0.0
+    alibi_slopes: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.head_dim_v == 0:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
 
     @property
     def has_seqlens_k(self) -> bool:
         """Whether keys are masked per batch (``seqlens_k`` given)."""
         return self.seqlens_k is not None
+
+    @property
+    def has_alibi(self) -> bool:
+        return self.alibi_slopes is not None
+
+    @property
+    def features_used(self) -> frozenset[str]:
+        """The score modifiers and the value head dim this call uses (names as in ``Capabilities.features``)."""
+        used = {
+            "window": self.window is not None,
+            "softcap": self.softcap != 0.0,
+            "alibi": self.has_alibi,
+            "head_dim_v": self.head_dim_v != self.head_dim,
+        }
+        return frozenset(name for name, on in used.items() if on)
 
     @property
     def group_size(self) -> int:
@@ -109,6 +135,9 @@ def validate_forward(
     causal: Any = False,
     scale: Any = None,
     seqlens_k: Any = None,
+    window: Any = None,
+    softcap: Any = 0.0,
+    alibi_slopes: Any = None,
     *,
     allow_numpy: bool = False,
 ) -> Problem:
@@ -140,12 +169,18 @@ def validate_forward(
         )
     B, H, Nq, D = (int(s) for s in q.shape)
     Bk, Hkv, Nk, Dk = (int(s) for s in k.shape)
-    if tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    Dv = int(v.shape[3])
+    if tuple(k.shape[:3]) != tuple(v.shape[:3]):
+        raise ValueError(
+            f"k and v must have the same [B, Hkv, Nk] (v may have its own head dim), got k {tuple(k.shape)} and "
+            f"v {tuple(v.shape)}"
+        )
+    if Dv < 1:
+        raise ValueError(f"v must have head dim Dv >= 1, got {Dv}")
     if Bk != B:
         raise ValueError(f"k must have batch size {B} (as q), got {Bk}")
     if Dk != D:
-        raise ValueError(f"k and v must have head dim {D} (as q), got {Dk}")
+        raise ValueError(f"k must have head dim {D} (as q), got {Dk}")
     if D < 1:
         raise ValueError(f"q must have head dim D >= 1, got {D}")
     if Hkv < 1 or H % Hkv != 0:
@@ -169,6 +204,10 @@ def validate_forward(
             raise ValueError(f"scale must be finite in float32, got {scale!r}")
     if seqlens_k is not None:
         _validate_seqlens_k(seqlens_k, B, Nk, q, is_numpy)
+    window = _validate_window(window)
+    softcap = _validate_softcap(softcap)
+    if alibi_slopes is not None:
+        _validate_alibi_slopes(alibi_slopes, B, H, q)
     return Problem(
         batch=B,
         heads=H,
@@ -183,7 +222,47 @@ def validate_forward(
         is_numpy=is_numpy,
         device_name=_device_of(q),
         seqlens_k=seqlens_k,
+        head_dim_v=Dv,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
     )
+
+
+def _validate_window(window: Any) -> tuple[int | None, int | None] | None:
+    """``(left, right)`` of ints or None; None when absent or unbounded on both sides."""
+    if window is None:
+        return None
+    is_int = lambda w: isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_))  # noqa: E731
+    if not isinstance(window, (tuple, list)) or len(window) != 2 or not all(w is None or is_int(w) for w in window):
+        raise TypeError(f"window must be None or a pair (left, right) of ints or None, got {window!r}")
+    if window[0] is None and window[1] is None:
+        return None
+    return tuple(None if w is None else int(w) for w in window)
+
+
+def _validate_softcap(softcap: Any) -> float:
+    """0.0 (off) or a positive finite float."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
+        raise TypeError(f"softcap must be a real number (0.0: off), got {type(softcap).__name__} {softcap!r}")
+    value = float(softcap)
+    if value != 0.0 and not (0.0 < value <= float(np.finfo(np.float32).max)):
+        raise ValueError(f"softcap must be 0 (off) or positive and finite in float32, got {softcap!r}")
+    return value
+
+
+def _validate_alibi_slopes(slopes: Any, B: int, H: int, q: Any) -> None:
+    """float32 ``[H]`` or ``[B, H]`` on the device of q."""
+    if not isinstance(slopes, (torch.Tensor, np.ndarray)):
+        raise TypeError(
+            f"alibi_slopes must be None or a float32 tensor of shape [H] or [B, H], got {_describe(slopes)}"
+        )
+    if slopes.dtype not in (torch.float32, np.float32):
+        raise TypeError(f"alibi_slopes must be float32, got {slopes.dtype}")
+    if isinstance(slopes, torch.Tensor) and isinstance(q, torch.Tensor) and slopes.device != q.device:
+        raise ValueError(f"alibi_slopes must be on the device of q ({q.device}), got {slopes.device}")
+    if tuple(slopes.shape) not in ((H,), (B, H)):
+        raise ValueError(f"alibi_slopes must have shape [H] = [{H}] or [B, H] = [{B}, {H}], got {tuple(slopes.shape)}")
 
 
 def _validate_seqlens_k(seqlens_k: Any, B: int, Nk: int, q: Any, is_numpy: bool) -> None:
@@ -215,13 +294,13 @@ def _validate_seqlens_k(seqlens_k: Any, B: int, Nk: int, q: Any, is_numpy: bool)
 def validate_backward(problem: Problem, do: Any, o: Any, lse: Any) -> None:
     """Check the extra arguments of ``backward`` against the validated forward problem."""
     allow_numpy = problem.is_numpy
-    expected_q = (problem.batch, problem.heads, problem.seqlen_q, problem.head_dim)
+    expected_q = (problem.batch, problem.heads, problem.seqlen_q, problem.head_dim_v)
     for name, x in (("do", do), ("o", o)):
         _check_array(name, x, allow_numpy)
         if (type(x) is np.ndarray) != problem.is_numpy:
             raise TypeError(f"{name} must be of the same kind as q, got {_describe(x)}")
         if tuple(x.shape) != expected_q:
-            raise ValueError(f"{name} must have the shape of q, {list(expected_q)}, got {list(x.shape)}")
+            raise ValueError(f"{name} must have shape [B, H, Nq, Dv] = {list(expected_q)}, got {list(x.shape)}")
         if _torch_dtype_of(name, x) != problem.dtype:
             raise TypeError(f"{name} must have the dtype of q ({problem.dtype}), got {x.dtype}")
         if _device_of(x) != problem.device_name:

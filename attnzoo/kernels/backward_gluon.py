@@ -35,6 +35,8 @@ must be 0.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .common import LOG2E, q_loop_bounds
@@ -53,6 +55,9 @@ from .gluon_hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+if TYPE_CHECKING:
+    from .launch import ScoreModifiers
 
 if gluon is not None:
 
@@ -225,6 +230,7 @@ def attention_dkdv_hopper(
     dv: torch.Tensor,
     scale: float,
     causal: bool,
+    modifiers: ScoreModifiers,
     block_m: int = 64,
     block_n: int = 128,
     num_warps: int = 8,

@@ -38,6 +38,8 @@ Causal masks, any Nq and Nk, and grouped-query heads are handled.  Results are t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .common import LOG2E, kv_loop_bounds, q_block_program
@@ -59,6 +61,9 @@ from .gluon_hopper import (
 
 # The kernel's own warps (the first warpgroup); a second warpgroup and the producer warp join as worker partitions.
 KERNEL_WARPS = 4
+
+if TYPE_CHECKING:
+    from .launch import ScoreModifiers
 
 if gluon is not None:
 
@@ -300,6 +305,7 @@ def attention_forward_hopper(
     lse: torch.Tensor,
     scale: float,
     causal: bool,
+    modifiers: ScoreModifiers,
     block_m: int = 128,
     block_n: int = 128,
     num_warps: int = 8,
