@@ -15,7 +15,14 @@ from __future__ import annotations
 
 from ..backend import Capabilities, register
 from ..kernels.backward_atomic import DELTA_MODES, attention_backward_atomic
-from .triton_2kernel import TRITON_DTYPES, TRITON_MAX_HEAD_DIM, TritonBackend, make_context, triton_extra_reasons
+from .triton_2kernel import (
+    TRITON_DTYPES,
+    TRITON_FEATURES,
+    TRITON_MAX_HEAD_DIM,
+    TritonBackend,
+    make_context,
+    triton_extra_reasons,
+)
 
 DEFAULT_DELTA = "preprocess"
 
@@ -33,6 +40,7 @@ class TritonAtomic(TritonBackend):
         devices=frozenset({"cuda", "cpu"}),
         dtypes=TRITON_DTYPES,
         max_head_dim=TRITON_MAX_HEAD_DIM,
+        features=TRITON_FEATURES,
         deterministic=False,
         auto_rank={"cuda": 1},
         extra_reasons=triton_extra_reasons,
@@ -43,8 +51,8 @@ class TritonAtomic(TritonBackend):
             raise ValueError(f"delta must be one of {DELTA_MODES}, got {delta!r}")
         self.delta = delta
 
-    def _backward(self, do, q, k, v, o, lse, problem, seqlens_k):
-        return attention_backward_atomic(make_context(q, k, v, problem, seqlens_k), do, o, lse, self.delta)
+    def _backward(self, do, q, k, v, o, lse, problem):
+        return attention_backward_atomic(make_context(q, k, v, problem, problem.seqlens_k), do, o, lse, self.delta)
 
     def __repr__(self) -> str:
         return f"<attnzoo backend {self.name} delta={self.delta}>"
