@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import attnzoo
 from attnzoo import oracle
 from attnzoo.backend import REQUIRED_FEATURES, SCORE_MODIFIER_FEATURES, triton_interpreter_active
+from attnzoo.validation import validate_forward
 
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
 LOW_PRECISION = oracle.LOW_PRECISION
@@ -229,3 +230,16 @@ def run_and_check(backend: attnzoo.Backend, case: Case, device: str = "cpu") -> 
         baseline = None if base is None else getattr(base, name)
         ratios[name] = assert_close(name, got, getattr(ref, name), baseline, case.dtype, contract.get(name, 0.0))
     return ratios
+
+
+def run_if_supported(backend: attnzoo.Backend, case: Case, device: str) -> bool:
+    """Run and check ``case`` if the backend supports it; a refusal must be one SPEC.md allows."""
+    x = case.make(device)
+    kw = case.call_kwargs(x)
+    reasons = backend.not_supported_reasons(x["q"], x["k"], x["v"], **kw)
+    if reasons:
+        problem = validate_forward(x["q"], x["k"], x["v"], **kw)
+        assert not spec_requires(backend.name, problem), f"{backend.name} refuses a case SPEC.md requires: {reasons}"
+        return False
+    run_and_check(backend, case, device)
+    return True

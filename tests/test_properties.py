@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import F64, SPEC_PENDING_FEATURES, Case, cases, missing_features, run_and_check, spec_requires
+from cases import F64, SPEC_PENDING_FEATURES, Case, cases, missing_features, run_if_supported
 from hypothesis import event, given
 from hypothesis import strategies as st
 
 import attnzoo
 from attnzoo.backend import triton_interpreter_active
-from attnzoo.validation import validate_forward
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -41,16 +40,7 @@ def test_declares_every_required_feature(name):
 
 
 def _run_if_supported(backend: attnzoo.Backend, case: Case) -> bool:
-    """Run and check ``case`` if the backend supports it; a refusal must be one SPEC.md allows."""
-    x = case.make(DEVICE)
-    kw = case.call_kwargs(x)
-    reasons = backend.not_supported_reasons(x["q"], x["k"], x["v"], **kw)
-    if reasons:
-        problem = validate_forward(x["q"], x["k"], x["v"], **kw)
-        assert not spec_requires(backend.name, problem), f"{backend.name} refuses a case SPEC.md requires: {reasons}"
-        return False
-    run_and_check(backend, case, DEVICE)
-    return True
+    return run_if_supported(backend, case, DEVICE)
 
 
 def _runnable_dtypes(backend: attnzoo.Backend) -> tuple[torch.dtype, ...]:

@@ -13,11 +13,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from cases import REFERENCE_BACKENDS
+from cases import BF16, F16, F32, REFERENCE_BACKENDS, cases, run_if_supported
+from hypothesis import assume, event, given
+from hypothesis import strategies as st
 
 import attnzoo
 from attnzoo import oracle
 from attnzoo.backend import FEATURE_NAMES, SCORE_MODIFIER_FEATURES
+from attnzoo.backends._tiles import key_band, tile_is_empty, tile_visibility
 from attnzoo.validation import validate_forward
 
 F64 = torch.float64
@@ -209,3 +212,48 @@ def test_a_modifier_a_backend_lacks_is_named_in_its_reasons(name, feature):
     assert any(FEATURE_NAMES[feature] in r for r in reasons), reasons
     with pytest.raises(NotImplementedError, match=re.escape(FEATURE_NAMES[feature])):
         backend.forward(**args)
+
+
+@given(data=st.data())
+def test_tiles_are_skipped_exactly_when_no_pair_is_visible(data):
+    """The blocked backends' tile test against SPEC.md's mask: a tile is skipped iff causal and the window leave none
+    of its (row, key) pairs visible, or all its keys are padding in every batch (so a tile outside the window is
+    never loaded); a skipped tile holds no visible pair; the mask of a kept tile is the mask's block."""
+    Nq, Nk = data.draw(st.integers(1, 40), label="Nq"), data.draw(st.integers(1, 40), label="Nk")
+    block_m, block_n = data.draw(st.sampled_from([(8, 8), (16, 4), (5, 7)]), label="blocks")
+    side = st.one_of(st.none(), st.integers(-Nk - 3, Nk + 3))
+    window = data.draw(st.one_of(st.none(), st.tuples(side, side)), label="window")
+    causal = data.draw(st.booleans(), label="causal")
+    seqlens = torch.tensor(data.draw(st.lists(st.integers(0, Nk), min_size=1, max_size=3), label="seqlens_k"))
+    mask = oracle.visible_mask(len(seqlens), Nq, Nk, causal, seqlens, window=window)[:, 0]
+    band_mask = oracle.visible_mask(1, Nq, Nk, causal, None, window=window)[:, 0]
+    band = key_band(causal, window)
+    min_len, max_len = int(seqlens.min()), int(seqlens.max())
+    for m0 in range(0, Nq, block_m):
+        m1 = min(m0 + block_m, Nq)
+        for n0 in range(0, Nk, block_n):
+            n1 = min(n0 + block_n, Nk)
+            block = mask[:, m0:m1, n0:n1]
+            skipped = tile_is_empty(m0, m1, n0, n1, Nq, Nk, band, max_len)
+            assert skipped == (not band_mask[:, m0:m1, n0:n1].any() or n0 >= max_len), (m0, n0)
+            assert not (skipped and block.any()), (m0, n0)
+            visible = tile_visibility(torch, m0, m1, n0, n1, Nq, Nk, band, seqlens, min_len)
+            visible = torch.ones_like(block) if visible is None else visible[:, 0, 0].expand_as(block)
+            assert torch.equal(visible, block), (m0, n0)
+            if skipped:
+                event("some tile skipped")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", attnzoo.names())
+@given(data=st.data())
+def test_score_modifiers_against_oracle_on_gpu(name, data):
+    """On the GPU, every CUDA backend on random cases that use at least one score modifier it declares."""
+    backend = attnzoo.get(name)
+    if "cuda" not in backend.capabilities.devices or not backend.capabilities.features & SCORE_MODIFIER_FEATURES:
+        pytest.skip(f"{name} declares no score modifier on CUDA")
+    case = data.draw(cases(dtypes=(F32, F16, BF16), features=backend.capabilities.features), label="case")
+    assume(case.modifiers)
+    assert run_if_supported(backend, case, "cuda")
+    for modifier in sorted(case.modifiers):
+        event(modifier)
