@@ -11,9 +11,19 @@ from .validation import Problem, validate_forward
 Tensor = torch.Tensor
 
 
-def pick_backend(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, seqlens_k) -> Backend:
+def pick_backend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    seqlens_k: Tensor | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+) -> Backend:
     """The preferred backend (lowest ``auto_rank`` on the device type) that supports these inputs."""
-    return _pick(validate_forward(q, k, v, causal, scale, seqlens_k))
+    return _pick(validate_forward(q, k, v, causal, scale, seqlens_k, window, softcap, alibi_slopes))
 
 
 def _pick(problem: Problem) -> Backend:
@@ -32,8 +42,9 @@ def _pick(problem: Problem) -> Backend:
 
 
 class _Attention(torch.autograd.Function):
+    # seqlens_k and alibi_slopes travel inside ``problem``, not as inputs of the Function: they get no gradient.
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, seqlens_k, backend, problem):
+    def forward(ctx, q, k, v, backend, problem):
         o, lse = backend.forward_validated(q, k, v, problem)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.backend, ctx.problem = backend, problem
@@ -44,7 +55,7 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = ctx.backend.backward_validated(do, q, k, v, o, lse, ctx.problem)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None
 
 
 def attention(
@@ -54,17 +65,22 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     seqlens_k: Tensor | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
     backend: str | Backend = "auto",
 ) -> Tensor:
     """Exact attention with autograd, like ``scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)``.
 
-    q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nk, D]`` with ``H % Hkv == 0``; seqlens_k: integer ``[B]`` or None.
-    Returns o: ``[B, H, Nq, D]`` in the dtype of q.  ``causal`` is aligned to the bottom-right corner.
+    q: ``[B, H, Nq, D]``; k: ``[B, Hkv, Nk, D]``, v: ``[B, Hkv, Nk, Dv]`` with ``H % Hkv == 0``; seqlens_k: integer
+    ``[B]`` or None; window, softcap, alibi_slopes: SPEC.md's score modifiers (the slopes get no gradient).
+    Returns o: ``[B, H, Nq, Dv]`` in the dtype of q.  ``causal`` is aligned to the bottom-right corner.
     ``backend`` is a registered name, a :class:`Backend`, or ``"auto"``.
     """
     if not isinstance(backend, (str, Backend)):
         raise TypeError(f"backend must be a backend name, a Backend or 'auto', got {type(backend).__name__}")
-    problem = validate_forward(q, k, v, causal, scale, seqlens_k)  # torch tensors only, before any kernel
+    # torch tensors only, before any kernel
+    problem = validate_forward(q, k, v, causal, scale, seqlens_k, window, softcap, alibi_slopes)
     if isinstance(backend, str):
         backend = _pick(problem) if backend == "auto" else get(backend)
-    return _Attention.apply(q, k, v, causal, scale, seqlens_k, backend, problem)
+    return _Attention.apply(q, k, v, backend, problem)

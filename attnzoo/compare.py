@@ -8,7 +8,9 @@ is outside tolerance.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
+import sys
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -18,6 +20,7 @@ import torch
 
 from . import oracle
 from .backend import Backend, get, names
+from .validation import validate_forward
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 OUTPUTS = ("o", "lse", "dq", "dk", "dv")
@@ -42,6 +45,28 @@ class Row:
         return not self.error and all(c.ok for c in self.checks.values())
 
 
+def parse_window(text: str) -> tuple[int | None, int | None]:
+    """``--window L,R``: two ints, either of them ``none`` (unbounded on that side)."""
+    sides = text.split(",")
+    try:
+        if len(sides) != 2:
+            raise ValueError
+        return tuple(None if side.strip().lower() == "none" else int(side) for side in sides)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT (ints or 'none'), got {text!r}") from None
+
+
+def alibi_slopes(heads: int) -> list[float]:
+    """ALiBi's standard slopes (BLOOM): the geometric sequence 2^(-8/n), 2^(-16/n), ... for n a power of two; for
+    other head counts, those of the next lower power of two, then every other one of twice that many."""
+
+    def powers(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+    lower = 2 ** int(math.log2(heads)) if heads > 0 else 0
+    return powers(lower) + powers(2 * lower)[0::2][: heads - lower] if lower else []
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     cli = argparse.ArgumentParser(prog="python -m attnzoo compare", description=__doc__.split("\n\n")[0])
     cli.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -51,6 +76,15 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     cli.add_argument("--causal", action="store_true", help="bottom-right aligned causal mask")
     cli.add_argument("--seqlens-k", help="comma-separated keys per batch (e.g. 256,100), or 'random'")
     cli.add_argument("--scale", type=float, help="default 1/sqrt(D)")
+    cli.add_argument(
+        "--window",
+        type=parse_window,
+        metavar="LEFT,RIGHT",
+        help="sliding window, e.g. 128,0 or none,0 (none: unbounded)",
+    )
+    cli.add_argument("--softcap", type=float, default=0.0, help="logit soft cap (0: off)")
+    cli.add_argument("--alibi", action="store_true", help="ALiBi with the standard slopes per head")
+    cli.add_argument("--Dv", type=int, help="value head dim (default: D)")
     cli.add_argument("--backends", help=f"comma-separated subset of: {', '.join(names())}")
     cli.add_argument("--repeat", type=int, default=3, help="timed runs per backend (median)")
     cli.add_argument("--seed", type=int, default=0)
@@ -62,11 +96,12 @@ def _case(args: argparse.Namespace) -> tuple[dict, str]:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = dict(GPU_DEFAULT if device == "cuda" else CPU_DEFAULT)
-    for key in ("B", "H", "Hkv", "Nq", "Nk", "D", "dtype"):
+    for key in ("B", "H", "Hkv", "Nq", "Nk", "D", "Dv", "dtype"):
         if getattr(args, key) is not None:
             shape[key] = getattr(args, key)
     if args.Nq is not None and args.Nk is None:
         shape["Nk"] = args.Nq
+    shape.setdefault("Dv", shape["D"])
     return shape, device
 
 
@@ -77,14 +112,20 @@ def _inputs(shape: dict, device: str, args: argparse.Namespace) -> dict:
     def randn(*size):
         return torch.randn(*size, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
 
-    B, H, Hkv, Nq, Nk, D = (shape[k] for k in ("B", "H", "Hkv", "Nq", "Nk", "D"))
+    B, H, Hkv, Nq, Nk, D, Dv = (shape[k] for k in ("B", "H", "Hkv", "Nq", "Nk", "D", "Dv"))
     seqlens = None
     if args.seqlens_k == "random":
         seqlens = torch.randint(0, Nk + 1, (B,), generator=gen, dtype=torch.int32).to(device)
     elif args.seqlens_k:
         seqlens = torch.tensor([int(s) for s in args.seqlens_k.split(",")], dtype=torch.int32, device=device)
+    slopes = torch.tensor(alibi_slopes(H), dtype=torch.float32, device=device) if args.alibi else None
     return dict(
-        q=randn(B, H, Nq, D), k=randn(B, Hkv, Nk, D), v=randn(B, Hkv, Nk, D), do=randn(B, H, Nq, D), seqlens_k=seqlens
+        q=randn(B, H, Nq, D),
+        k=randn(B, Hkv, Nk, D),
+        v=randn(B, Hkv, Nk, Dv),
+        do=randn(B, H, Nq, Dv),
+        seqlens_k=seqlens,
+        alibi_slopes=slopes,
     )
 
 
@@ -122,10 +163,22 @@ def _peak_mb(fn: Callable[[], tuple], device: str, numpy_backend: bool) -> float
     return peak / 2**20
 
 
-def run_backend(backend: Backend, x: dict, causal: bool, scale: float | None, device: str, repeat: int, ref, base):
+def run_backend(
+    backend: Backend,
+    x: dict,
+    causal: bool,
+    scale: float | None,
+    device: str,
+    repeat: int,
+    ref,
+    base,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float = 0.0,
+):
     """One table row: support, errors vs the oracle, times and peak memory of forward + backward."""
     row = Row(backend.name)
-    kw = dict(causal=causal, scale=scale, seqlens_k=x["seqlens_k"])
+    kw = dict(causal=causal, scale=scale, seqlens_k=x["seqlens_k"], window=window, softcap=softcap)
+    kw["alibi_slopes"] = x.get("alibi_slopes")
     try:
         row.reasons = backend.not_supported_reasons(x["q"], x["k"], x["v"], **kw)
     except ValueError as exc:  # beyond the backend's limits, e.g. its largest head dim
@@ -185,17 +238,36 @@ def main(argv: list[str] | None = None) -> int:
     selected = names() if not args.backends else [s.strip() for s in args.backends.split(",")]
     backends = [get(name) for name in selected]  # an unknown name fails here, listing the known ones
     x = _inputs(shape, device, args)
-    kw = dict(causal=args.causal, scale=args.scale, seqlens_k=x["seqlens_k"])
+    kw = dict(
+        causal=args.causal,
+        scale=args.scale,
+        seqlens_k=x["seqlens_k"],
+        window=args.window,
+        softcap=args.softcap,
+        alibi_slopes=x["alibi_slopes"],
+    )
+    try:  # bad values (a negative softcap, seqlens_k beyond Nk, ...): one line, as for a bad flag
+        validate_forward(x["q"], x["k"], x["v"], **kw)
+    except (TypeError, ValueError) as exc:
+        print(f"python -m attnzoo compare: error: {exc}", file=sys.stderr)
+        return 2
     ref = oracle.reference(x["q"], x["k"], x["v"], x["do"], **kw)
     low = x["q"].dtype in oracle.LOW_PRECISION
     base = oracle.plain_torch(x["q"], x["k"], x["v"], x["do"], **kw) if low else None
-    seq = "" if x["seqlens_k"] is None else f", seqlens_k={x['seqlens_k'].tolist()}"
+    extras = "" if x["seqlens_k"] is None else f", seqlens_k={x['seqlens_k'].tolist()}"
+    extras += "" if args.window is None else f", window={args.window}"
+    extras += f", softcap={args.softcap}" if args.softcap else ""
+    extras += ", alibi" if args.alibi else ""
+    dv = "" if shape["Dv"] == shape["D"] else f" Dv={shape['Dv']}"
     print(
-        f"case: B={shape['B']} H={shape['H']} Hkv={shape['Hkv']} Nq={shape['Nq']} Nk={shape['Nk']} D={shape['D']} "
-        f"{shape['dtype']} causal={args.causal}{seq} on {device}; errors are max |backend - float64 oracle|, "
+        f"case: B={shape['B']} H={shape['H']} Hkv={shape['Hkv']} Nq={shape['Nq']} Nk={shape['Nk']} D={shape['D']}{dv} "
+        f"{shape['dtype']} causal={args.causal}{extras} on {device}; errors are max |backend - float64 oracle|, "
         f"(x bound) their ratio to SPEC.md's bound"
     )
-    rows = [run_backend(b, x, args.causal, args.scale, device, args.repeat, ref, base) for b in backends]
+    rows = [
+        run_backend(b, x, args.causal, args.scale, device, args.repeat, ref, base, args.window, args.softcap)
+        for b in backends
+    ]
     print(format_table(rows))
     failed = [r.backend for r in rows if not r.reasons and not r.ok]
     if failed:

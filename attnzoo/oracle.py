@@ -23,19 +23,38 @@ def visible_mask(
     causal: bool,
     seqlens_k: Tensor | None,
     device: torch.device | str = "cpu",
+    window: tuple[int | None, int | None] | None = None,
 ) -> Tensor:
-    """Boolean ``[B, 1, Nq, Nk]``: whether query row ``i`` of batch ``b`` may see key ``j``.
+    """Boolean ``[B, 1, Nq, Nk]``: whether query row ``i`` of batch ``b`` may see key ``j`` (SPEC.md, literally).
 
-    Causal is aligned to the bottom-right corner: ``j <= i + (Nk - Nq)``; ``seqlens_k`` masks ``j >= seqlens_k[b]``.
+    With ``i' = i + (Nk - Nq)``: causal keeps ``j <= i'`` (bottom-right aligned); ``window=(left, right)`` keeps
+    ``i' - left <= j <= i' + right`` (None: that side unbounded); ``seqlens_k`` keeps ``j < seqlens_k[b]``.
     """
-    rows = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
-    cols = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
+    i_aligned = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1) + (seqlen_k - seqlen_q)
+    j = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
     mask = torch.ones(batch, 1, seqlen_q, seqlen_k, dtype=torch.bool, device=device)
     if causal:
-        mask = mask & (cols <= rows + (seqlen_k - seqlen_q))
+        mask = mask & (j <= i_aligned)
+    if window is not None:
+        left, right = window
+        if left is not None:
+            mask = mask & (i_aligned - left <= j)
+        if right is not None:
+            mask = mask & (j <= i_aligned + right)
     if seqlens_k is not None:
-        mask = mask & (cols < seqlens_k.to(device=device, dtype=torch.int64).view(-1, 1, 1, 1))
+        mask = mask & (j < seqlens_k.to(device=device, dtype=torch.int64).view(-1, 1, 1, 1))
     return mask
+
+
+def alibi_bias(
+    alibi_slopes, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device: torch.device | str = "cpu"
+) -> Tensor:
+    """ALiBi's term of the scores, float64 ``[B or 1, H, Nq, Nk]``: ``-slope[b, h] * |i' - j|``."""
+    slopes = _as_torch(alibi_slopes).to(device, torch.float64)
+    slopes = slopes.view(-1, heads, 1, 1)  # [H] -> [1, H, 1, 1]; [B, H] -> [B, H, 1, 1]
+    i_aligned = torch.arange(seqlen_q, device=device).view(-1, 1) + (seqlen_k - seqlen_q)
+    j = torch.arange(seqlen_k, device=device).view(1, -1)
+    return -slopes * (i_aligned - j).abs().to(torch.float64)
 
 
 @dataclass
@@ -64,11 +83,15 @@ def reference(
     stored_dtype=None,
     device: torch.device | str = "cpu",
     stored_o=None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes=None,
 ) -> Result:
     """Exact attention in float64 (the judge), on the CPU unless ``device`` says otherwise (the GPU tests judge
     large N on the GPU).  Accepts torch tensors or numpy arrays.
 
-    q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nk, D]``; do (optional): ``[B, H, Nq, D]``.
+    q: ``[B, H, Nq, D]``; k: ``[B, Hkv, Nk, D]``; v: ``[B, Hkv, Nk, Dv]``; do (optional): ``[B, H, Nq, Dv]``.
+    ``window``, ``softcap``, ``alibi_slopes``: SPEC.md's score modifiers, applied in its order.
     Returns float64 tensors on ``device`` (lse float32 as in the contract, computed in float64).
 
     ``stored_dtype``: compute the backward's ``Delta = rowsum(dO * O)`` from ``dO`` and ``O`` rounded to this
@@ -79,14 +102,22 @@ def reference(
     """
     q, k, v = (_as_torch(x).detach().to(device, torch.float64) for x in (q, k, v))
     B, H, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     group = H // Hkv
     scale = D**-0.5 if scale is None else scale
     # Grouped-query attention: query head h reads K/V head h // group.
     k_full, v_full = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     seqlens = None if seqlens_k is None else _as_torch(seqlens_k).to(device)
-    mask = visible_mask(B, Nq, Nk, causal, seqlens, device)
-    s = ((q @ k_full.transpose(-1, -2)) * scale).masked_fill(~mask, float("-inf"))
+    mask = visible_mask(B, Nq, Nk, causal, seqlens, device, window)
+    s = (q @ k_full.transpose(-1, -2)) * scale
+    # SPEC.md's order: soft cap, then ALiBi, then the masks.  d(capped)/dS = 1 - tanh^2 for the backward.
+    cap_derivative = None
+    if softcap:
+        tanh = torch.tanh(s / softcap)
+        s, cap_derivative = softcap * tanh, 1.0 - tanh**2
+    if alibi_slopes is not None:
+        s = s + alibi_bias(alibi_slopes, B, H, Nq, Nk, device)
+    s = s.masked_fill(~mask, float("-inf"))
     # A row with no visible key has lse = -inf and P = 0.
     lse = torch.logsumexp(s, dim=-1)
     has_key = torch.isfinite(lse)[..., None]
@@ -105,15 +136,29 @@ def reference(
             stored_o, stored_do = stored_o.to(acc), do.to(stored_dtype).to(acc)
             delta = (stored_do * stored_o).sum(-1, keepdim=True).double()
         ds = p * (dp - delta)
+        if cap_derivative is not None:
+            ds = ds * cap_derivative
         result.dq = (ds @ k_full) * scale
         result.dk = ((ds.transpose(-1, -2) @ q) * scale).view(B, Hkv, group, Nk, D).sum(2)
-        result.dv = dv_full.view(B, Hkv, group, Nk, D).sum(2)
+        result.dv = dv_full.view(B, Hkv, group, Nk, Dv).sum(2)
     return result
 
 
-def plain_torch(q, k, v, do=None, causal: bool = False, scale: float | None = None, seqlens_k=None) -> Result:
+def plain_torch(
+    q,
+    k,
+    v,
+    do=None,
+    causal: bool = False,
+    scale: float | None = None,
+    seqlens_k=None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes=None,
+) -> Result:
     """Textbook attention as plain PyTorch runs it in the inputs' dtype, on their device: matrix products and
-    softmax in that dtype (PyTorch accumulates them in float32 and rounds the result), gradients by autograd.
+    softmax in that dtype (PyTorch accumulates them in float32 and rounds the result), the soft cap and the ALiBi
+    term in that dtype too, gradients by autograd.
 
     This is the error baseline of SPEC.md's rule for float16 and bfloat16: a backend may be at most twice as
     far from :func:`reference` as this is, plus a small slack.
@@ -123,10 +168,14 @@ def plain_torch(q, k, v, do=None, causal: bool = False, scale: float | None = No
     group = H // k.shape[1]
     scale = D**-0.5 if scale is None else scale
     seqlens = None if seqlens_k is None else _as_torch(seqlens_k).to(q.device)
-    mask = visible_mask(B, Nq, k.shape[2], causal, seqlens, q.device)
+    mask = visible_mask(B, Nq, k.shape[2], causal, seqlens, q.device, window)
     with torch.enable_grad():
         k_full, v_full = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         s = (q @ k_full.transpose(-1, -2)) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        if alibi_slopes is not None:
+            s = s + alibi_bias(alibi_slopes, B, H, Nq, k.shape[2], q.device).to(s.dtype)
         has_key = mask.any(dim=-1, keepdim=True)
         # softmax over a row with no visible key would be 0/0: such rows get P = 0, as in the contract.
         s = s.masked_fill(~mask, float("-inf")).masked_fill(~has_key, 0.0)
@@ -222,7 +271,18 @@ def check_output(name: str, got, ref: Tensor, baseline, dtype: torch.dtype, cont
 
 
 def contract_errors(
-    q, k, v, do, exact: Result, causal: bool = False, scale=None, seqlens_k=None, stored_o=None
+    q,
+    k,
+    v,
+    do,
+    exact: Result,
+    causal: bool = False,
+    scale=None,
+    seqlens_k=None,
+    stored_o=None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes=None,
 ) -> dict[str, float]:
     """Per gradient, the max change of the exact result when Delta comes from the stored ``o`` (see
     :func:`reference`'s ``stored_dtype``): the backend's own ``o`` when ``stored_o`` is given (what its backward
@@ -236,7 +296,19 @@ def contract_errors(
     if dtype == torch.float64:
         return {}
     stored = reference(
-        q, k, v, do, causal, scale, seqlens_k, stored_dtype=dtype, device=exact.o.device, stored_o=stored_o
+        q,
+        k,
+        v,
+        do,
+        causal,
+        scale,
+        seqlens_k,
+        stored_dtype=dtype,
+        device=exact.o.device,
+        stored_o=stored_o,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
     )
     return {
         name: float((getattr(stored, name) - getattr(exact, name)).abs().max()) if exact.dq.numel() else 0.0

@@ -15,14 +15,12 @@ from typing import Any
 import torch
 
 from .._env import triton_interpreter_active
-from ..backend import REQUIRED_FEATURES, SCORE_MODIFIER_FEATURES, Backend
+from ..backend import Backend
 from ..kernels.tuning import KernelConfig
 from ..validation import Problem
 
 TRITON_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 TRITON_MAX_HEAD_DIM = 256
-# Every SPEC.md feature, the score modifiers and a value head dim of its own included (issue 25).
-TRITON_FEATURES = REQUIRED_FEATURES | SCORE_MODIFIER_FEATURES
 
 INTERPRETER_REASON = "CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)"
 INTERPRETER_BF16_REASON = (

@@ -12,7 +12,6 @@ from __future__ import annotations
 from ..backend import Capabilities, register
 from ._triton_base import (
     TRITON_DTYPES,
-    TRITON_FEATURES,
     TRITON_MAX_HEAD_DIM,
     TritonBackend,
     kernels,
@@ -37,7 +36,6 @@ class Triton2Kernel(TritonBackend):
         devices=frozenset({"cuda", "cpu"}),
         dtypes=TRITON_DTYPES,
         max_head_dim=TRITON_MAX_HEAD_DIM,
-        features=TRITON_FEATURES,
         deterministic=True,
         auto_rank={"cuda": 0},
         extra_reasons=triton_extra_reasons,

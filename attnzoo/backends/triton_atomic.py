@@ -19,7 +19,6 @@ from ..backend import Capabilities, register
 from ..kernels.tuning import KernelConfig
 from ._triton_base import (
     TRITON_DTYPES,
-    TRITON_FEATURES,
     TRITON_MAX_HEAD_DIM,
     TritonBackend,
     kernels,
@@ -48,7 +47,6 @@ class TritonAtomic(TritonBackend):
         devices=frozenset({"cuda", "cpu"}),
         dtypes=TRITON_DTYPES,
         max_head_dim=TRITON_MAX_HEAD_DIM,
-        features=TRITON_FEATURES,
         deterministic=False,
         auto_rank={"cuda": 1},
         extra_reasons=triton_extra_reasons,
