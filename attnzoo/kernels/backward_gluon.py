@@ -133,7 +133,10 @@ if gluon is not None:
         # block's keys.  The same range for every head of the group.  Keys past Nk need no mask here (their dK/dV
         # rows are dropped by the store, and a row of dK or dV depends on its own key only), so the bounds are those
         # of a whole block: its end is passed as the key count.
-        lo, unmasked_lo, hi = q_loop_bounds(start_n, seqlen_q, seqlen_k, start_n + BLOCK_N, CAUSAL, BLOCK_M, BLOCK_N)
+        # No window here (the scope sends windowed calls to backward_2kernel.py): no third stage.
+        lo, unmasked_lo, _unmasked_hi, hi = q_loop_bounds(
+            start_n, seqlen_q, seqlen_k, start_n + BLOCK_N, 0, 0, CAUSAL, False, False, BLOCK_M, BLOCK_N
+        )
         tiles_per_head = (hi - lo) // BLOCK_M
         n_iters = tiles_per_head * group_size
         diagonal_offset = seqlen_k - seqlen_q

@@ -211,9 +211,12 @@ def kv_loop_bounds(
     if WINDOW_LEFT:
         # The first row sees keys j >= start_m + offset - left, the last real row j >= last_row + offset - left.
         left_diagonal = diagonal_offset - window_left
-        start = (tl.maximum(start_m + left_diagonal, 0) // BLOCK_N) * BLOCK_N
+        first_key = tl.maximum(start_m + left_diagonal, 0)
+        start = (first_key // BLOCK_N) * BLOCK_N
         unmasked_start = tl.cdiv(tl.maximum(last_row + left_diagonal, 0), BLOCK_N) * BLOCK_N
-        end = tl.maximum(end, start)
+        # No key from first_key on is seen (the right bound or seqlens_k ends before it): nothing, not even the
+        # tile that start rounds down to.
+        end = tl.where(end > first_key, end, start)
         if CAUSAL or WINDOW_RIGHT:
             end = tl.where(band_is_empty(window_left, window_right, WINDOW_RIGHT), start, end)
         unmasked_end = tl.minimum(tl.maximum(unmasked_end, start), end)
@@ -263,10 +266,14 @@ def q_loop_bounds(
         # range, and the Q tiles wholly before the last row that sees its first key see all of it.
         left_diagonal = window_left - diagonal_offset
         last_key = tl.minimum(start_n + BLOCK_N, seqlen_k_b) - 1
-        hi = tl.minimum(hi, tl.cdiv(tl.maximum(last_key + left_diagonal + 1, 0), BLOCK_M) * BLOCK_M)
+        rows_end = last_key + left_diagonal + 1  # the rows before it see the block's last real key
+        hi = tl.minimum(hi, tl.cdiv(tl.maximum(rows_end, 0), BLOCK_M) * BLOCK_M)
         hi = tl.maximum(hi, lo)
         if CAUSAL or WINDOW_RIGHT:
-            hi = tl.where(band_is_empty(window_left, window_right, WINDOW_RIGHT), lo, hi)
+            # No row both sees a key by the right bound (from first_row on) and by the left one (before rows_end):
+            # nothing, not even the tile that lo rounds down to.
+            empty = band_is_empty(window_left, window_right, WINDOW_RIGHT) | (rows_end <= first_row)
+            hi = tl.where(empty, lo, hi)
         unmasked_hi = (tl.maximum(start_n + left_diagonal + 1, 0) // BLOCK_M) * BLOCK_M
         unmasked_lo = tl.minimum(unmasked_lo, hi)
         unmasked_hi = tl.minimum(tl.maximum(unmasked_hi, unmasked_lo), hi)

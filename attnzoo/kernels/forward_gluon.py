@@ -236,7 +236,10 @@ if gluon is not None:
         # Key ranges (kv_loop_bounds, as in forward.py): [0, unmasked_end) needs no mask; tiles from n_tiles on are
         # hidden from every real row.  At least one tile runs (fully masked when no row sees a key), so that the
         # loop needs no special case: it leaves m = -inf, l = 0 in such rows.
-        unmasked_end, end = kv_loop_bounds(start_m, seqlen_q, seqlen_k, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+        # No window here (the scope sends windowed calls to forward.py): the first stage starts at key 0.
+        _start, _unmasked_start, unmasked_end, end = kv_loop_bounds(
+            start_m, seqlen_q, seqlen_k, seqlen_k, 0, 0, CAUSAL, False, False, BLOCK_M, BLOCK_N
+        )
         unmasked_tiles = unmasked_end // BLOCK_N
         n_tiles = gl.maximum(gl.cdiv(end, BLOCK_N), 1)
 

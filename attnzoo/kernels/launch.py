@@ -358,6 +358,19 @@ class GluonScope:
     softcap: bool = False
     alibi: bool = False
 
+    def modifier_reasons(self, modifiers: ScoreModifiers) -> list[str]:
+        """The score modifiers (and Dv != D) of a call that the kernel does not apply."""
+        reasons = []
+        if (modifiers.window_left_bounded or modifiers.window_right_bounded) and not self.window:
+            reasons.append("window: the kernel has no sliding-window bounds")
+        if modifiers.softcap and not self.softcap:
+            reasons.append("softcap: the kernel has no soft cap")
+        if modifiers.alibi and not self.alibi:
+            reasons.append("alibi_slopes: the kernel has no ALiBi term")
+        if not modifiers.flags["DV_IS_D"]:
+            reasons.append("a value head dim Dv != D: the kernel's tiles share one head dim")
+        return reasons
+
     def not_supported_reasons(self, call: PreparedCall, extra: tuple[torch.Tensor, ...] = ()) -> list[str]:
         q = call.q
         unavailable = gluon_unavailable_reason()
@@ -374,15 +387,7 @@ class GluonScope:
             reasons.append(f"head dim {q.shape[-1]}: {' and '.join(map(str, HOPPER_HEAD_DIMS))} only")
         if call.has_seqlens:
             reasons.append("seqlens_k: the K/V rows past seqlens_k[b] may hold anything, and TMA cannot zero them")
-        modifiers = call.modifiers
-        if (modifiers.window_left_bounded or modifiers.window_right_bounded) and not self.window:
-            reasons.append("window: the kernel has no sliding-window bounds")
-        if modifiers.softcap and not self.softcap:
-            reasons.append("softcap: the kernel has no soft cap")
-        if modifiers.alibi and not self.alibi:
-            reasons.append("alibi_slopes: the kernel has no ALiBi term")
-        if not modifiers.flags["DV_IS_D"]:
-            reasons.append("a value head dim Dv != D: the kernel's tiles share one head dim")
+        reasons.extend(self.modifier_reasons(call.modifiers))
         if self.needs_positive_scale and not call.scale > 0:
             reasons.append("scale <= 0: the kernel folds a positive scale into exp2's argument")
         if call.debug:
