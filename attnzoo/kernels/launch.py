@@ -161,8 +161,9 @@ class ScoreModifiers:
     The window becomes the band ``-left <= j - i' <= right``: causal caps the right side at 0, and a right bound that
     causal already implies (``right >= 0``) is dropped, so causal with ``window=(w, 0)`` adds only the left bound.
     Sides are clamped to ``[-(Nq + Nk), Nq + Nk]``, which changes no mask and keeps the kernels' int32 sums exact.
-    The soft cap ``c`` reaches the kernels as ``cap_in = 2 / c`` and ``cap_out = c * log2(e)``
-    (``common.softcap_scores``).  ``alibi``: the slopes as float32 ``[B, H]`` (a stride-0 view for ``[H]``).
+    The soft cap ``c`` reaches the kernels as ``cap_in = 1 / (c * log2(e))`` and ``cap_out = c * log2(e)``, and SOFTCAP
+    is 2 (hardware tanh, float16/bfloat16 on a GPU) or 1 (float32-exact tanh) (``common.softcap_scores``).
+    ``alibi``: the slopes as float32 ``[B, H]`` (a stride-0 view for ``[H]``).
     """
 
     args: tuple
@@ -186,9 +187,13 @@ class ScoreModifiers:
         window_right = max(-bound, min(bound, right)) if right_bounded else 0
         softcap = problem.softcap
         if softcap:
-            cap_in, cap_out = 2.0 / softcap, softcap * LOG2E
+            cap_in, cap_out = 1.0 / (softcap * LOG2E), softcap * LOG2E
+            # 2: the hardware tanh (float16/bfloat16 on a GPU); 1: the float32-exact one (common.softcap_scores).
+            approx = problem.dtype in (torch.float16, torch.bfloat16) and not triton_interpreter_active()
+            softcap_mode = 2 if approx else 1
         else:
             cap_in = cap_out = 0.0
+            softcap_mode = 0
         slopes = problem.alibi_slopes
         if slopes is not None:
             slopes = torch.as_tensor(slopes).to(device=device, dtype=torch.float32)
@@ -199,7 +204,7 @@ class ScoreModifiers:
         dv = problem.head_dim_v
         flags = dict(
             BLOCK_DV=block_dv, EVEN_DV=dv == block_dv, DV_IS_D=dv == problem.head_dim, WINDOW_LEFT=left_bounded,
-            WINDOW_RIGHT=right_bounded, SOFTCAP=bool(softcap), ALIBI=slopes is not None,
+            WINDOW_RIGHT=right_bounded, SOFTCAP=softcap_mode, ALIBI=slopes is not None,
         )  # fmt: skip
         parts = [
             "window" if problem.window is not None else "",
