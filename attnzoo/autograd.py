@@ -31,9 +31,19 @@ from .validation import Problem, lse_dtype, validate_forward
 Tensor = torch.Tensor
 
 
-def pick_backend(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, seqlens_k) -> Backend:
+def pick_backend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    seqlens_k: Tensor | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+) -> Backend:
     """The preferred backend (lowest ``auto_rank`` on the device type) that supports these inputs."""
-    return _pick(validate_forward(q, k, v, causal, scale, seqlens_k))
+    return _pick(validate_forward(q, k, v, causal, scale, seqlens_k, window, softcap, alibi_slopes))
 
 
 def _pick(problem: Problem) -> Backend:
@@ -80,24 +90,36 @@ def _backend_of(key: str, problem: Problem) -> Backend:
     return instance if instance is not None else get(key)
 
 
-def _problem(q: Tensor, k: Tensor, v: Tensor, seqlens_k: Tensor | None, causal: bool, scale: float) -> Problem:
+def _problem(q, k, v, seqlens_k, causal, scale, window_left, window_right, softcap, alibi_slopes) -> Problem:
     """Shapes and arguments checked inside an operator.  The values of ``seqlens_k`` are not read here: that would
-    synchronise with the GPU on every call of a compiled graph; :func:`attention` checks them in eager mode."""
-    return validate_forward(q, k, v, causal, scale, seqlens_k, check_values=False)
+    synchronise with the GPU on every call of a compiled graph; :func:`attention` checks them in eager mode.
+    The window travels as its two sides (an operator's schema has no optional pairs); both None is no window."""
+    window = None if window_left is None and window_right is None else (window_left, window_right)
+    return validate_forward(q, k, v, causal, scale, seqlens_k, window, softcap, alibi_slopes, check_values=False)
 
 
 # -- the operators --------------------------------------------------------------------------------------------------
 @torch.library.custom_op("attnzoo::attention_forward", mutates_args=())
 def attention_forward_op(
-    q: Tensor, k: Tensor, v: Tensor, seqlens_k: Tensor | None, causal: bool, scale: float, backend: str
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    seqlens_k: Tensor | None,
+    causal: bool,
+    scale: float,
+    window_left: int | None,
+    window_right: int | None,
+    softcap: float,
+    alibi_slopes: Tensor | None,
+    backend: str,
 ) -> tuple[Tensor, Tensor]:
-    """``o`` ``[B, H, Nq, D]`` (dtype of q) and ``lse`` ``[B, H, Nq]`` (float32; float64 for float64 inputs)."""
-    problem = _problem(q, k, v, seqlens_k, causal, scale)
+    """``o`` ``[B, H, Nq, Dv]`` (dtype of q) and ``lse`` ``[B, H, Nq]`` (float32; float64 for float64 inputs)."""
+    problem = _problem(q, k, v, seqlens_k, causal, scale, window_left, window_right, softcap, alibi_slopes)
     return _backend_of(backend, problem).forward_validated(q, k, v, problem)
 
 
 @attention_forward_op.register_fake
-def _(q, k, v, seqlens_k, causal, scale, backend):
+def _(q, k, v, seqlens_k, causal, scale, window_left, window_right, softcap, alibi_slopes, backend):
     B, H, Nq, _ = q.shape
     o = q.new_empty((B, H, Nq, v.shape[-1]))
     lse = q.new_empty((B, H, Nq), dtype=lse_dtype(q.dtype))
@@ -115,30 +137,39 @@ def attention_backward_op(
     seqlens_k: Tensor | None,
     causal: bool,
     scale: float,
+    window_left: int | None,
+    window_right: int | None,
+    softcap: float,
+    alibi_slopes: Tensor | None,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``dq`` (shape of q) and ``dk``, ``dv`` (shape of k, v; summed over each query-head group)."""
-    problem = _problem(q, k, v, seqlens_k, causal, scale)
+    problem = _problem(q, k, v, seqlens_k, causal, scale, window_left, window_right, softcap, alibi_slopes)
     return _backend_of(backend, problem).backward_validated(do, q, k, v, o, lse, problem)
 
 
 @attention_backward_op.register_fake
-def _(do, q, k, v, o, lse, seqlens_k, causal, scale, backend):
+def _(do, q, k, v, o, lse, seqlens_k, causal, scale, window_left, window_right, softcap, alibi_slopes, backend):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, seqlens_k, causal, scale, backend = inputs
+    q, k, v, seqlens_k, causal, scale, window_left, window_right, softcap, alibi_slopes, backend = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, seqlens_k)
-    ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+    ctx.save_for_backward(q, k, v, o, lse, seqlens_k, alibi_slopes)
+    ctx.arguments = (causal, scale, window_left, window_right, softcap)
+    ctx.backend = backend
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, do, _dlse):
-    q, k, v, o, lse, seqlens_k = ctx.saved_tensors
-    dq, dk, dv = attention_backward_op(do, q, k, v, o, lse, seqlens_k, ctx.causal, ctx.scale, ctx.backend)
-    return dq, dk, dv, None, None, None, None
+    q, k, v, o, lse, seqlens_k, alibi_slopes = ctx.saved_tensors
+    causal, scale, window_left, window_right, softcap = ctx.arguments
+    dq, dk, dv = attention_backward_op(
+        do, q, k, v, o, lse, seqlens_k, causal, scale, window_left, window_right, softcap, alibi_slopes, ctx.backend
+    )
+    # seqlens_k and the ALiBi slopes get no gradient (nor do the non-tensor arguments).
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -156,12 +187,16 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     seqlens_k: Tensor | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
     backend: str | Backend = "auto",
 ) -> Tensor:
     """Exact attention with autograd.
 
-    q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nk, D]`` with ``H % Hkv == 0``; seqlens_k: integer ``[B]`` or None.
-    Returns o: ``[B, H, Nq, D]`` in the dtype of q.  ``causal`` is aligned to the bottom-right corner (as
+    q: ``[B, H, Nq, D]``; k: ``[B, Hkv, Nk, D]``, v: ``[B, Hkv, Nk, Dv]`` with ``H % Hkv == 0``; seqlens_k: integer
+    ``[B]`` or None; window, softcap, alibi_slopes: SPEC.md's score modifiers (the slopes get no gradient).
+    Returns o: ``[B, H, Nq, Dv]`` in the dtype of q.  ``causal`` is aligned to the bottom-right corner (as
     FlashAttention; :func:`attnzoo.sdpa` has SDPA's top-left ``is_causal``).  ``backend`` is a registered name, a
     :class:`Backend`, or ``"auto"``.  Works inside ``torch.compile(fullgraph=True)`` and CUDA graph capture.
     """
@@ -171,8 +206,11 @@ def attention(
         # captured (reading them would synchronise with the GPU, which capture forbids).  Traced: the operators check
         # shapes when they run; reading seqlens_k's values there would cost a synchronisation per call.
         capturing = isinstance(q, Tensor) and q.is_cuda and torch.cuda.is_current_stream_capturing()
-        validate_forward(q, k, v, causal, scale, seqlens_k, check_values=not capturing)
+        validate_forward(q, k, v, causal, scale, seqlens_k, window, softcap, alibi_slopes, check_values=not capturing)
     if seqlens_k is not None and seqlens_k.dtype != torch.int32:
         seqlens_k = seqlens_k.to(torch.int32)
-    o, _lse = attention_forward_op(q, k, v, seqlens_k, bool(causal), float(default_scale(q, scale)), key)
+    left, right = (None, None) if window is None else window
+    o, _lse = attention_forward_op(
+        q, k, v, seqlens_k, bool(causal), float(default_scale(q, scale)), left, right, float(softcap), alibi_slopes, key
+    )
     return o

@@ -27,7 +27,21 @@ from .validation import Problem, lse_dtype, validate_backward, validate_forward
 Tensor = torch.Tensor
 
 # Features of SPEC.md that every backend must support; the property tests check the declarations against it.
-REQUIRED_FEATURES = frozenset({"causal", "seqlens_k", "gqa", "nq_ne_nk", "strided"})
+# The last four are SPEC.md's score modifiers and a value head dim of its own (issue 25).
+SCORE_MODIFIER_FEATURES = frozenset({"window", "softcap", "alibi", "head_dim_v"})
+REQUIRED_FEATURES = frozenset({"causal", "seqlens_k", "gqa", "nq_ne_nk", "strided"}) | SCORE_MODIFIER_FEATURES
+
+# What a backend that does not declare a feature says in ``not_supported_reasons`` when a call uses it.
+FEATURE_NAMES = {
+    "causal": "causal masking",
+    "seqlens_k": "seqlens_k (key padding)",
+    "gqa": "grouped-query heads (Hkv < H)",
+    "nq_ne_nk": "Nq != Nk",
+    "window": "window (sliding-window attention)",
+    "softcap": "softcap (logit soft-capping)",
+    "alibi": "alibi_slopes (ALiBi)",
+    "head_dim_v": "a value head dim Dv != D",
+}
 
 
 @dataclass(frozen=True)
@@ -36,7 +50,9 @@ class Capabilities:
 
     ``auto_rank`` orders the backends that ``attention(..., backend="auto")`` may pick on each device
     type (lower is preferred); a device type absent from it is never picked automatically.
-    ``extra_reasons`` adds backend-specific checks that the generic fields cannot express.
+    ``features`` names the SPEC.md features the backend implements (``REQUIRED_FEATURES`` by default); a call
+    that uses one it lacks is declared unsupported, with the feature named.  ``extra_reasons`` adds
+    backend-specific checks that the generic fields cannot express.
     """
 
     summary: str
@@ -70,8 +86,10 @@ class Backend:
         if problem.dtype not in caps.dtypes:
             names = ", ".join(sorted(str(d).removeprefix("torch.") for d in caps.dtypes))
             reasons.append(f"dtype {str(problem.dtype).removeprefix('torch.')} not supported (supports {names})")
-        if caps.max_head_dim is not None and problem.head_dim > caps.max_head_dim:
-            reasons.append(f"head dim {problem.head_dim} above the limit {caps.max_head_dim}")
+        if caps.max_head_dim is not None and max(problem.head_dim, problem.head_dim_v) > caps.max_head_dim:
+            reasons.append(f"head dim {max(problem.head_dim, problem.head_dim_v)} above the limit {caps.max_head_dim}")
+        for feature in sorted(problem.features_used - caps.features):
+            reasons.append(f"{FEATURE_NAMES.get(feature, feature)} not supported")
         if caps.extra_reasons is not None:
             reasons.extend(caps.extra_reasons(problem))
         return reasons
@@ -84,23 +102,41 @@ class Backend:
         causal: bool = False,
         scale: float | None = None,
         seqlens_k: Any = None,
+        window: tuple[int | None, int | None] | None = None,
+        softcap: float = 0.0,
+        alibi_slopes: Any = None,
     ) -> list[str]:
         """Validate the inputs and return why this backend cannot run them ([] when it can).
 
         Bad input, a head dim above the backend's limit included, raises as in ``forward``.
         """
-        problem = self._validate(q, k, v, causal, scale, seqlens_k)
+        problem = self._validate(q, k, v, causal, scale, seqlens_k, window, softcap, alibi_slopes)
         self._check_head_dim(problem)
         return self.reasons_for(problem)
 
-    def _validate(self, q, k, v, causal, scale, seqlens_k) -> Problem:
-        return validate_forward(q, k, v, causal, scale, seqlens_k, allow_numpy=self.capabilities.accepts_numpy)
+    def _validate(self, q, k, v, causal, scale, seqlens_k, window=None, softcap=0.0, alibi_slopes=None) -> Problem:
+        return validate_forward(
+            q,
+            k,
+            v,
+            causal,
+            scale,
+            seqlens_k,
+            window,
+            softcap,
+            alibi_slopes,
+            allow_numpy=self.capabilities.accepts_numpy,
+        )
 
     def _check_head_dim(self, problem: Problem) -> None:
         limit = self.capabilities.max_head_dim
         if limit is not None and problem.head_dim > limit:
             raise ValueError(
                 f"q has head dim D={problem.head_dim}, above the limit of backend {self.name!r} (D <= {limit})"
+            )
+        if limit is not None and problem.head_dim_v > limit:
+            raise ValueError(
+                f"v has head dim Dv={problem.head_dim_v}, above the limit of backend {self.name!r} (Dv <= {limit})"
             )
 
     def _check(self, problem: Problem) -> None:
@@ -118,13 +154,19 @@ class Backend:
         causal: bool = False,
         scale: float | None = None,
         seqlens_k: Any = None,
+        window: tuple[int | None, int | None] | None = None,
+        softcap: float = 0.0,
+        alibi_slopes: Any = None,
     ) -> tuple[Any, Any]:
         """Attention forward.
 
-        q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nk, D]``; seqlens_k: integer ``[B]`` or None.
-        Returns ``o`` (``[B, H, Nq, D]``, dtype of q) and ``lse`` (``[B, H, Nq]``, float32; float64 for float64).
+        q: ``[B, H, Nq, D]``; k: ``[B, Hkv, Nk, D]``; v: ``[B, Hkv, Nk, Dv]``; seqlens_k: integer ``[B]`` or None;
+        window: ``(left, right)`` of ints or None, or None; softcap: 0.0 (off) or > 0; alibi_slopes: float32 ``[H]``
+        or ``[B, H]``, or None (SPEC.md, "Score modifiers").
+        Returns ``o`` (``[B, H, Nq, Dv]``, dtype of q) and ``lse`` (``[B, H, Nq]``, float32; float64 for float64).
         """
-        return self.forward_validated(q, k, v, self._validate(q, k, v, causal, scale, seqlens_k))
+        problem = self._validate(q, k, v, causal, scale, seqlens_k, window, softcap, alibi_slopes)
+        return self.forward_validated(q, k, v, problem)
 
     def forward_validated(self, q: Any, k: Any, v: Any, problem: Problem) -> tuple[Any, Any]:
         """``forward`` on inputs already validated into ``problem`` (by ``attention``, which validates once)."""
@@ -145,13 +187,18 @@ class Backend:
         causal: bool = False,
         scale: float | None = None,
         seqlens_k: Any = None,
+        window: tuple[int | None, int | None] | None = None,
+        softcap: float = 0.0,
+        alibi_slopes: Any = None,
     ) -> tuple[Any, Any, Any]:
-        """Attention backward from the forward's ``o`` and ``lse``.
+        """Attention backward from the forward's ``o`` and ``lse``, with the forward's arguments.
 
-        do, o: ``[B, H, Nq, D]``; lse: ``[B, H, Nq]`` as the forward returned it.  Returns ``dq`` (shape of q) and
-        ``dk``, ``dv`` (shape of k, summed over the query heads of each K/V group).
+        do, o: ``[B, H, Nq, Dv]``; lse: ``[B, H, Nq]`` as the forward returned it.  Returns ``dq`` (shape of q) and
+        ``dk``, ``dv`` (shapes of k and v, summed over the query heads of each K/V group).  ALiBi slopes get no
+        gradient.
         """
-        return self.backward_validated(do, q, k, v, o, lse, self._validate(q, k, v, causal, scale, seqlens_k))
+        problem = self._validate(q, k, v, causal, scale, seqlens_k, window, softcap, alibi_slopes)
+        return self.backward_validated(do, q, k, v, o, lse, problem)
 
     def backward_validated(
         self, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, problem: Problem
@@ -213,11 +260,12 @@ def _is_empty(problem: Problem) -> bool:
 
 
 def _empty_forward(q, problem: Problem):
-    """``o`` of the shape of q and ``lse`` ``[B, H, 0 or Nq]``, both empty."""
+    """``o`` ``[B, H, Nq, Dv]`` and ``lse`` ``[B, H, Nq]``, both empty."""
     shape = (problem.batch, problem.heads, problem.seqlen_q)
+    o_shape = (*shape, problem.head_dim_v)
     if isinstance(q, np.ndarray):
-        return np.zeros(q.shape, q.dtype), np.zeros(shape, np.float64 if q.dtype == np.float64 else np.float32)
-    return q.new_zeros(q.shape), torch.zeros(shape, dtype=lse_dtype(problem.dtype), device=q.device)
+        return np.zeros(o_shape, q.dtype), np.zeros(shape, np.float64 if q.dtype == np.float64 else np.float32)
+    return q.new_zeros(o_shape), torch.zeros(shape, dtype=lse_dtype(problem.dtype), device=q.device)
 
 
 def _empty_backward(q, k, v):

@@ -8,6 +8,8 @@ is outside tolerance.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import statistics
 import sys
 import time
@@ -20,6 +22,7 @@ import torch
 from . import cli as cli_types
 from . import oracle, testing
 from .backend import Backend, get, names
+from .validation import validate_forward
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 OUTPUTS = ("o", "lse", "dq", "dk", "dv")
@@ -42,6 +45,28 @@ class Row:
     @property
     def ok(self) -> bool:
         return not self.error and all(c.ok for c in self.checks.values())
+
+
+def parse_window(text: str) -> tuple[int | None, int | None]:
+    """``--window L,R``: two ints, either of them ``none`` (unbounded on that side)."""
+    sides = text.split(",")
+    try:
+        if len(sides) != 2:
+            raise ValueError
+        return tuple(None if side.strip().lower() == "none" else int(side) for side in sides)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT (ints or 'none'), got {text!r}") from None
+
+
+def alibi_slopes(heads: int) -> list[float]:
+    """ALiBi's standard slopes (BLOOM): the geometric sequence 2^(-8/n), 2^(-16/n), ... for n a power of two; for
+    other head counts, those of the next lower power of two, then every other one of twice that many."""
+
+    def powers(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+    lower = 2 ** int(math.log2(heads)) if heads > 0 else 0
+    return powers(lower) + powers(2 * lower)[0::2][: heads - lower] if lower else []
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,6 +95,13 @@ def _parser() -> argparse.ArgumentParser:
         "--seqlens-k", help="keys per batch, a comma list of B values in [0, Nk] (e.g. 256,100), or 'random'"
     )
     cli.add_argument("--scale", type=cli_types.finite_float, help="score scale; default 1/sqrt(D)")
+    cli.add_argument(
+        "--window", type=parse_window, metavar="LEFT,RIGHT",
+        help="sliding window: row i sees keys i'-LEFT .. i'+RIGHT, e.g. 128,0 or none,0 (none: unbounded)",
+    )  # fmt: skip
+    cli.add_argument("--softcap", type=cli_types.finite_float, default=0.0, help="logit soft cap (0: off)")
+    cli.add_argument("--alibi", action="store_true", help="ALiBi with BLOOM's standard slopes per head")
+    cli.add_argument("--Dv", type=cli_types.positive_int, help="value head dim (default: D)")
     cli.add_argument("--backends", help=f"comma-separated subset of: {', '.join(names())} (default: all)")
     cli.add_argument(
         "--repeat", type=cli_types.positive_int, default=3, help="timed runs per backend, after one warm-up (median)"
@@ -110,11 +142,12 @@ def _case(args: argparse.Namespace) -> tuple[dict, str]:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = dict(GPU_DEFAULT if device == "cuda" else CPU_DEFAULT)
-    for key in ("B", "H", "Hkv", "Nq", "Nk", "D", "dtype"):
+    for key in ("B", "H", "Hkv", "Nq", "Nk", "D", "Dv", "dtype"):
         if getattr(args, key) is not None:
             shape[key] = getattr(args, key)
     if args.Nq is not None and args.Nk is None:
         shape["Nk"] = args.Nq
+    shape.setdefault("Dv", shape["D"])
     return shape, device
 
 
@@ -125,10 +158,13 @@ def _inputs(shape: dict, device: str, args: argparse.Namespace) -> testing.Atten
         seqlens = torch.randint(0, Nk + 1, (B,), generator=torch.Generator().manual_seed(args.seed)).tolist()
     elif args.seqlens_k:
         seqlens = [int(s) for s in args.seqlens_k.split(",")]
-    return testing.random_inputs(
+    x = testing.random_inputs(
         B, shape["H"], shape["Hkv"], shape["Nq"], Nk, shape["D"],
-        dtype=DTYPES[shape["dtype"]], device=device, seed=args.seed, seqlens_k=seqlens,
+        dtype=DTYPES[shape["dtype"]], device=device, seed=args.seed, seqlens_k=seqlens, head_dim_v=shape["Dv"],
     )  # fmt: skip
+    if args.alibi:
+        x = dataclasses.replace(x, alibi_slopes=torch.tensor(alibi_slopes(shape["H"]), device=device))
+    return x
 
 
 def _timed(fn: Callable[[], tuple], device: str, repeat: int) -> tuple[tuple, float]:
@@ -173,11 +209,14 @@ def run_backend(
     device: str,
     repeat: int,
     judge: testing.Oracle | None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float = 0.0,
 ) -> Row:
     """One table row: support, errors vs the oracle (``judge``, run once on ``x`` for every backend), times and
     peak memory of forward + backward."""
     row = Row(backend.name)
-    kw = dict(causal=causal, scale=scale, seqlens_k=x.seqlens_k)
+    kw = dict(causal=causal, scale=scale, seqlens_k=x.seqlens_k, window=window, softcap=softcap)
+    kw["alibi_slopes"] = x.alibi_slopes
     try:
         row.reasons = backend.not_supported_reasons(x.q, x.k, x.v, **kw)
     except ValueError as exc:  # beyond the backend's limits, e.g. its largest head dim
@@ -226,7 +265,19 @@ def main(argv: list[str] | None = None) -> int:
     args, shape, device, selected = _parse(argv or [])
     backends = [get(name) for name in selected]
     x = _inputs(shape, device, args)
-    kw = dict(causal=args.causal, scale=args.scale, seqlens_k=x.seqlens_k)
+    kw = dict(
+        causal=args.causal,
+        scale=args.scale,
+        seqlens_k=x.seqlens_k,
+        window=args.window,
+        softcap=args.softcap,
+        alibi_slopes=x.alibi_slopes,
+    )
+    try:  # bad values (a negative softcap, seqlens_k beyond Nk, ...): one line, as for a bad flag
+        validate_forward(x.q, x.k, x.v, **kw)
+    except (TypeError, ValueError) as exc:
+        print(f"python -m attnzoo compare: error: {exc}", file=sys.stderr)
+        return 2
     supported = {}
     for backend in backends:
         try:
@@ -235,18 +286,28 @@ def main(argv: list[str] | None = None) -> int:
             supported[backend.name] = False
     if not any(supported.values()):
         # Nothing to judge: say why per backend and fail, without running the oracle on a case nobody runs.
-        rows = [run_backend(b, x, args.causal, args.scale, device, args.repeat, None) for b in backends]
+        rows = [
+            run_backend(b, x, args.causal, args.scale, device, args.repeat, None, args.window, args.softcap)
+            for b in backends
+        ]
         print(format_table(rows))
         print(f"no selected backend supports this case ({', '.join(selected)})", file=sys.stderr)
         return 1
-    judge = testing.oracle_for(x, args.causal, args.scale)
-    seq = "" if x.seqlens_k is None else f", seqlens_k={x.seqlens_k.tolist()}"
+    judge = testing.oracle_for(x, args.causal, args.scale, window=args.window, softcap=args.softcap)
+    extras = "" if x.seqlens_k is None else f", seqlens_k={x.seqlens_k.tolist()}"
+    extras += "" if args.window is None else f", window={args.window}"
+    extras += f", softcap={args.softcap}" if args.softcap else ""
+    extras += ", alibi" if args.alibi else ""
+    dv = "" if shape["Dv"] == shape["D"] else f" Dv={shape['Dv']}"
     print(
-        f"case: B={shape['B']} H={shape['H']} Hkv={shape['Hkv']} Nq={shape['Nq']} Nk={shape['Nk']} D={shape['D']} "
-        f"{shape['dtype']} causal={args.causal}{seq} on {device}; errors are max |backend - float64 oracle|, "
+        f"case: B={shape['B']} H={shape['H']} Hkv={shape['Hkv']} Nq={shape['Nq']} Nk={shape['Nk']} D={shape['D']}{dv} "
+        f"{shape['dtype']} causal={args.causal}{extras} on {device}; errors are max |backend - float64 oracle|, "
         f"(x bound) their ratio to SPEC.md's bound"
     )
-    rows = [run_backend(b, x, args.causal, args.scale, device, args.repeat, judge) for b in backends]
+    rows = [
+        run_backend(b, x, args.causal, args.scale, device, args.repeat, judge, args.window, args.softcap)
+        for b in backends
+    ]
     print(format_table(rows))
     failed = [r.backend for r in rows if not r.reasons and not r.ok]
     if failed:

@@ -2,7 +2,7 @@
 
 >>> counts = attnzoo.debug.tile_counts("triton_2kernel", q, k, v, causal=True, seqlens_k=seqlens)
 >>> counts.visited        # int32 [B, H, num_q_blocks]: K/V tiles each forward program loaded
->>> counts.skipped        # the K/V tiles it never loaded (causal limit or seqlens_k: block early exit)
+>>> counts.skipped        # the K/V tiles it never loaded (causal limit, window or seqlens_k: block early exit)
 
 The numbers are counted by the kernels themselves (a ``DEBUG`` constexpr adds a counter to each loop and
 writes it to a buffer), with a fixed block size so that they can be compared with the exact geometry.
@@ -53,6 +53,7 @@ def tile_counts(
     seqlens_k: torch.Tensor | None = None,
     scale: float | None = None,
     kernel: str = "forward",
+    window: tuple[int | None, int | None] | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
 ) -> TileCounts:
@@ -62,6 +63,7 @@ def tile_counts(
     delta="recompute")``).  kernel: "forward"; "dkdv" or "dq" (triton_2kernel); "atomic" (triton_atomic).  Backward
     kernels run on the forward's own ``o``/``lse`` and a random ``do`` (counts do not depend on values).
     block_m, block_n: tile sizes (default 16 x 16 under the interpreter, 64 x 64 on the GPU).
+    window: SPEC.md's ``(left, right)``; the tiles wholly outside it count as skipped (never loaded).
     """
     backend = get(backend) if isinstance(backend, str) else backend
     if backend.name not in KERNELS:
@@ -70,10 +72,10 @@ def tile_counts(
         raise ValueError(f"kernel of {backend.name} must be one of {KERNELS[backend.name]}, got {kernel!r}")
     default_m, default_n = _default_blocks()
     block_m, block_n = block_m or default_m, block_n or default_n
-    reasons = backend.not_supported_reasons(q, k, v, causal=causal, scale=scale, seqlens_k=seqlens_k)
+    reasons = backend.not_supported_reasons(q, k, v, causal=causal, scale=scale, seqlens_k=seqlens_k, window=window)
     if reasons:
         raise NotImplementedError(f"backend {backend.name!r} does not support this input: " + "; ".join(reasons))
-    problem = validate_forward(q, k, v, causal, scale, seqlens_k)
+    problem = validate_forward(q, k, v, causal, scale, seqlens_k, window)
     config = f"{block_m}x{block_n} w4 s2"
     options = {name: value for name, value in backend.options().items() if name != "configs"}
     fixed = get(backend.name, **options, configs=dict.fromkeys(KERNELS[backend.name], config))

@@ -9,26 +9,30 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .backend import get, names
+from .backend import REQUIRED_FEATURES, get, names
 
 BEGIN, END = "<!-- backend-table:begin -->", "<!-- backend-table:end -->"
 _DTYPE_ORDER = ("float64", "float32", "float16", "bfloat16")
+# Short names of SPEC.md's features for the table's "not supported" column.
+_FEATURE_LABELS = {"alibi": "ALiBi", "head_dim_v": "Dv != D", "nq_ne_nk": "Nq != Nk", "gqa": "GQA"}
 
 
 def backend_table() -> str:
     """Markdown table: one row per registered backend, every cell read from its ``Capabilities``."""
     rows = [
-        "| backend | what it is | devices | dtypes | max head dim | deterministic | auto rank (cpu / cuda) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| backend | what it is | devices | dtypes | max head dim | SPEC features not supported | deterministic "
+        "| auto rank (cpu / cuda) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name in names():
         caps = get(name).capabilities
         dtypes = [d for d in _DTYPE_ORDER if any(str(x) == f"torch.{d}" for x in caps.dtypes)]
         devices = ", ".join(sorted(caps.devices)) + (", numpy arrays" if caps.accepts_numpy else "")
         ranks = " / ".join(str(caps.auto_rank.get(dev, "-")) for dev in ("cpu", "cuda"))
+        missing = ", ".join(_FEATURE_LABELS.get(f, f) for f in sorted(REQUIRED_FEATURES - caps.features)) or "-"
         rows.append(
             f"| `{name}` | {caps.summary} | {devices} | {', '.join(dtypes)} | {caps.max_head_dim or 'any'} "
-            f"| {'yes' if caps.deterministic else 'no'} | {ranks} |"
+            f"| {missing} | {'yes' if caps.deterministic else 'no'} | {ranks} |"
         )
     return "\n".join(rows)
 

@@ -5,7 +5,8 @@ Expressible calls: 4-d floating ``[B, H, Nq, D]`` / ``[B, Hkv, Nk, D]`` tensors 
 (``dropout_p == 0``), grouped-query heads only with ``enable_gqa=True`` (as torch), and a mask that attnzoo has:
 
 - ``is_causal=True`` is SDPA's *top-left* causal mask (row ``i`` sees keys ``j <= i``).  attnzoo's ``causal`` is
-  bottom-right aligned; the two agree when ``Nq == Nk``.
+  bottom-right aligned; the two agree when ``Nq == Nk``, and otherwise top-left causal is the window
+  ``(None, Nq - Nk)`` (row ``i`` sees ``j <= i' + Nq - Nk = i``).
 - ``attn_mask`` as a key-padding mask: boolean (True = attend) or additive (0 = attend, ``-inf`` = hidden), of a shape
   that broadcasts to ``[B, H, Nq, Nk]`` with size 1 along heads and queries, whose visible keys of each batch are a
   prefix ``0 .. seqlens_k[b] - 1``.  Recognising it reads the mask's values, so it is done in eager mode only;
@@ -67,7 +68,7 @@ def _attnzoo_arguments(query, key, value, attn_mask, dropout_p, is_causal, enabl
         return None
     batch, heads, seqlen_q, _ = query.shape
     kv_heads, seqlen_k = key.shape[1], key.shape[2]
-    if key.shape[0] != batch or value.shape[:3] != key.shape[:3] or value.shape[-1] != query.shape[-1]:
+    if key.shape[0] != batch or value.shape[:3] != key.shape[:3] or key.shape[-1] != query.shape[-1]:
         return None  # torch's SDPA says what is wrong
     if heads != kv_heads and not (enable_gqa and heads % kv_heads == 0):
         return None
@@ -79,7 +80,7 @@ def _attnzoo_arguments(query, key, value, attn_mask, dropout_p, is_causal, enabl
         if seqlens_k is None:
             return None
     if is_causal and seqlen_q != seqlen_k:
-        return None  # top-left causal differs from attnzoo's bottom-right causal here
+        return dict(window=(None, seqlen_q - seqlen_k), seqlens_k=seqlens_k)  # top-left, not attnzoo's bottom-right
     return dict(causal=bool(is_causal), seqlens_k=seqlens_k)
 
 
@@ -95,7 +96,8 @@ def sdpa(
 ) -> Tensor:
     """``torch.nn.functional.scaled_dot_product_attention``, computed by attnzoo where expressible (module docstring).
 
-    query: ``[B, H, Nq, D]``; key, value: ``[B, Hkv, Nk, D]``.  Returns ``[B, H, Nq, D]``, with autograd.  The backend
+    query: ``[B, H, Nq, D]``; key: ``[B, Hkv, Nk, D]``; value: ``[B, Hkv, Nk, Dv]``.  Returns ``[B, H, Nq, Dv]``,
+    with autograd.  The backend
     is ``"auto"``, or the one given to :func:`sdpa_patched`.
     """
     arguments = _attnzoo_arguments(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)

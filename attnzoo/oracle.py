@@ -25,19 +25,38 @@ def visible_mask(
     causal: bool,
     seqlens_k: Tensor | None,
     device: torch.device | str = "cpu",
+    window: tuple[int | None, int | None] | None = None,
 ) -> Tensor:
-    """Boolean ``[B, 1, Nq, Nk]``: whether query row ``i`` of batch ``b`` may see key ``j``.
+    """Boolean ``[B, 1, Nq, Nk]``: whether query row ``i`` of batch ``b`` may see key ``j`` (SPEC.md, literally).
 
-    Causal is aligned to the bottom-right corner: ``j <= i + (Nk - Nq)``; ``seqlens_k`` masks ``j >= seqlens_k[b]``.
+    With ``i' = i + (Nk - Nq)``: causal keeps ``j <= i'`` (bottom-right aligned); ``window=(left, right)`` keeps
+    ``i' - left <= j <= i' + right`` (None: that side unbounded); ``seqlens_k`` keeps ``j < seqlens_k[b]``.
     """
-    rows = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
-    cols = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
+    i_aligned = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1) + (seqlen_k - seqlen_q)
+    j = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
     mask = torch.ones(batch, 1, seqlen_q, seqlen_k, dtype=torch.bool, device=device)
     if causal:
-        mask = mask & (cols <= rows + (seqlen_k - seqlen_q))
+        mask = mask & (j <= i_aligned)
+    if window is not None:
+        left, right = window
+        if left is not None:
+            mask = mask & (i_aligned - left <= j)
+        if right is not None:
+            mask = mask & (j <= i_aligned + right)
     if seqlens_k is not None:
-        mask = mask & (cols < seqlens_k.to(device=device, dtype=torch.int64).view(-1, 1, 1, 1))
+        mask = mask & (j < seqlens_k.to(device=device, dtype=torch.int64).view(-1, 1, 1, 1))
     return mask
+
+
+def alibi_bias(
+    alibi_slopes, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device: torch.device | str = "cpu"
+) -> Tensor:
+    """ALiBi's term of the scores, float64 ``[B or 1, H, Nq, Nk]``: ``-slope[b, h] * |i' - j|``."""
+    slopes = _as_torch(alibi_slopes).to(device, torch.float64)
+    slopes = slopes.view(-1, heads, 1, 1)  # [H] -> [1, H, 1, 1]; [B, H] -> [B, H, 1, 1]
+    i_aligned = torch.arange(seqlen_q, device=device).view(-1, 1) + (seqlen_k - seqlen_q)
+    j = torch.arange(seqlen_k, device=device).view(1, -1)
+    return -slopes * (i_aligned - j).abs().to(torch.float64)
 
 
 @dataclass
@@ -66,11 +85,15 @@ def reference(
     stored_dtype=None,
     device: torch.device | str = "cpu",
     stored_o=None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes=None,
 ) -> Result:
     """Exact attention in float64 (the judge), on the CPU unless ``device`` says otherwise (the GPU tests judge
     large N on the GPU).  Accepts torch tensors or numpy arrays.
 
-    q: ``[B, H, Nq, D]``; k, v: ``[B, Hkv, Nk, D]``; do (optional): ``[B, H, Nq, D]``.
+    q: ``[B, H, Nq, D]``; k: ``[B, Hkv, Nk, D]``; v: ``[B, Hkv, Nk, Dv]``; do (optional): ``[B, H, Nq, Dv]``.
+    ``window``, ``softcap``, ``alibi_slopes``: SPEC.md's score modifiers, applied in its order.
     Returns float64 tensors on ``device``; lse is computed in float64 and returned in the contract's dtype
     (float64 for float64 inputs, float32 otherwise).
 
@@ -83,14 +106,22 @@ def reference(
     input_dtype = _as_torch(q).dtype
     q, k, v = (_as_torch(x).detach().to(device, torch.float64) for x in (q, k, v))
     B, H, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     group = H // Hkv
     scale = D**-0.5 if scale is None else scale
     # Grouped-query attention: query head h reads K/V head h // group.
     k_full, v_full = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     seqlens = None if seqlens_k is None else _as_torch(seqlens_k).to(device)
-    mask = visible_mask(B, Nq, Nk, causal, seqlens, device)
-    s = ((q @ k_full.transpose(-1, -2)) * scale).masked_fill(~mask, float("-inf"))
+    mask = visible_mask(B, Nq, Nk, causal, seqlens, device, window)
+    s = (q @ k_full.transpose(-1, -2)) * scale
+    # SPEC.md's order: soft cap, then ALiBi, then the masks.  d(capped)/dS = 1 - tanh^2 for the backward.
+    cap_derivative = None
+    if softcap:
+        tanh = torch.tanh(s / softcap)
+        s, cap_derivative = softcap * tanh, 1.0 - tanh**2
+    if alibi_slopes is not None:
+        s = s + alibi_bias(alibi_slopes, B, H, Nq, Nk, device)
+    s = s.masked_fill(~mask, float("-inf"))
     # A row with no visible key has lse = -inf and P = 0; a hidden key has P = 0 exactly, also in a row whose lse
     # is NaN (a NaN input reached it), so that a NaN reaches the rows that see it and no others.
     lse = torch.logsumexp(s, dim=-1)
@@ -110,15 +141,29 @@ def reference(
             stored_o, stored_do = stored_o.to(acc), do.to(stored_dtype).to(acc)
             delta = (stored_do * stored_o).sum(-1, keepdim=True).double()
         ds = p * (dp - delta)
+        if cap_derivative is not None:
+            ds = ds * cap_derivative
         result.dq = (ds @ k_full) * scale
         result.dk = ((ds.transpose(-1, -2) @ q) * scale).view(B, Hkv, group, Nk, D).sum(2)
-        result.dv = dv_full.view(B, Hkv, group, Nk, D).sum(2)
+        result.dv = dv_full.view(B, Hkv, group, Nk, Dv).sum(2)
     return result
 
 
-def plain_torch(q, k, v, do=None, causal: bool = False, scale: float | None = None, seqlens_k=None) -> Result:
+def plain_torch(
+    q,
+    k,
+    v,
+    do=None,
+    causal: bool = False,
+    scale: float | None = None,
+    seqlens_k=None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes=None,
+) -> Result:
     """Textbook attention as plain PyTorch runs it in the inputs' dtype, on their device: matrix products and
-    softmax in that dtype (PyTorch accumulates them in float32 and rounds the result), gradients by autograd.
+    softmax in that dtype (PyTorch accumulates them in float32 and rounds the result), the soft cap and the ALiBi
+    term in that dtype too, gradients by autograd.
 
     This is the error baseline of SPEC.md's rule for float16 and bfloat16: a backend may be at most twice as
     far from :func:`reference` as this is, plus a small slack.
@@ -128,10 +173,14 @@ def plain_torch(q, k, v, do=None, causal: bool = False, scale: float | None = No
     group = H // k.shape[1]
     scale = D**-0.5 if scale is None else scale
     seqlens = None if seqlens_k is None else _as_torch(seqlens_k).to(q.device)
-    mask = visible_mask(B, Nq, k.shape[2], causal, seqlens, q.device)
+    mask = visible_mask(B, Nq, k.shape[2], causal, seqlens, q.device, window)
     with torch.enable_grad():
         k_full, v_full = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         s = (q @ k_full.transpose(-1, -2)) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        if alibi_slopes is not None:
+            s = s + alibi_bias(alibi_slopes, B, H, Nq, k.shape[2], q.device).to(s.dtype)
         has_key = mask.any(dim=-1, keepdim=True)
         # softmax over a row with no visible key would be 0/0: such rows get P = 0, as in the contract.
         s = s.masked_fill(~mask, float("-inf")).masked_fill(~has_key, 0.0)
@@ -144,15 +193,17 @@ def plain_torch(q, k, v, do=None, causal: bool = False, scale: float | None = No
     return result
 
 
-def _by_head(compute, q, k, v, do, seqlens_k, stored_o, device) -> Result:
-    """``compute(q, k, v, do, seqlens_k, stored_o)`` on one (batch, query head) at a time, assembled into one
-    :class:`Result` on ``device``: o, dq float64 per query head, dk and dv summed over each K/V group in float64."""
+def _by_head(compute, q, k, v, do, seqlens_k, stored_o, device, alibi_slopes=None) -> Result:
+    """``compute(q, k, v, do, seqlens_k, stored_o, slopes)`` on one (batch, query head) at a time, assembled into one
+    :class:`Result` on ``device``: o, dq float64 per query head, dk and dv summed over each K/V group in float64.
+    ``slopes`` is the ``[1, 1]`` ALiBi slope of that head (None without ALiBi)."""
     q, k, v = (_as_torch(x) for x in (q, k, v))
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     group = H // Hkv
     f64 = dict(dtype=torch.float64, device=device)
-    result = Result(o=torch.zeros(B, H, Nq, Dv, **f64), lse=torch.zeros(B, H, Nq, dtype=torch.float32, device=device))
+    lse_type = torch.float64 if q.dtype == torch.float64 else torch.float32
+    result = Result(o=torch.zeros(B, H, Nq, Dv, **f64), lse=torch.zeros(B, H, Nq, dtype=lse_type, device=device))
     if do is not None:
         result.dq, result.dk, result.dv = (
             torch.zeros(B, H, Nq, D, **f64),
@@ -160,6 +211,7 @@ def _by_head(compute, q, k, v, do, seqlens_k, stored_o, device) -> Result:
             torch.zeros(B, Hkv, Nk, Dv, **f64),
         )
     lengths = None if seqlens_k is None else _as_torch(seqlens_k)
+    slopes = None if alibi_slopes is None else _as_torch(alibi_slopes).expand(B, H)
     for b in range(B):
         for h in range(H):
             kv, one = h // group, (slice(b, b + 1), slice(h, h + 1))
@@ -170,6 +222,7 @@ def _by_head(compute, q, k, v, do, seqlens_k, stored_o, device) -> Result:
                 None if do is None else _as_torch(do)[one],
                 None if lengths is None else lengths[b : b + 1],
                 None if stored_o is None else _as_torch(stored_o)[one],
+                None if slopes is None else slopes[one],
             )
             result.o[b, h] = part.o[0, 0]
             result.lse[b, h] = part.lse[0, 0]
@@ -191,25 +244,42 @@ def reference_chunked(
     stored_dtype=None,
     device: torch.device | str = "cuda",
     stored_o=None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes=None,
 ) -> Result:
     """:func:`reference` computed one (batch, query head) at a time on ``device``: it holds the ``[Nq, Nk]`` float64
     matrices of one head only, so that it judges lengths whose whole score matrix would not fit (the GPU tests run
     it at N = 16k).  Same arguments and results as :func:`reference`."""
 
-    def one_head(q1, k1, v1, do1, lengths, stored_o1):
-        return reference(q1, k1, v1, do1, causal, scale, lengths, stored_dtype, device, stored_o1)
+    def one_head(q1, k1, v1, do1, lengths, stored_o1, slopes1):
+        return reference(
+            q1, k1, v1, do1, causal, scale, lengths, stored_dtype, device, stored_o1,
+            window=window, softcap=softcap, alibi_slopes=slopes1,
+        )  # fmt: skip
 
-    return _by_head(one_head, q, k, v, do, seqlens_k, stored_o, device)
+    return _by_head(one_head, q, k, v, do, seqlens_k, stored_o, device, alibi_slopes)
 
 
-def plain_torch_chunked(q, k, v, do=None, causal: bool = False, scale: float | None = None, seqlens_k=None) -> Result:
+def plain_torch_chunked(
+    q,
+    k,
+    v,
+    do=None,
+    causal: bool = False,
+    scale: float | None = None,
+    seqlens_k=None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes=None,
+) -> Result:
     """:func:`plain_torch` computed one (batch, query head) at a time, on the inputs' device; the results are stored
     in float64 (each head's as plain PyTorch rounded it), dk and dv summed over the group in float64."""
 
-    def one_head(q1, k1, v1, do1, lengths, _):
-        return plain_torch(q1, k1, v1, do1, causal, scale, lengths)
+    def one_head(q1, k1, v1, do1, lengths, _, slopes1):
+        return plain_torch(q1, k1, v1, do1, causal, scale, lengths, window, softcap, slopes1)
 
-    return _by_head(one_head, q, k, v, do, seqlens_k, None, _as_torch(q).device)
+    return _by_head(one_head, q, k, v, do, seqlens_k, None, _as_torch(q).device, alibi_slopes)
 
 
 # -- SPEC.md's error rule -------------------------------------------------------------------------------------
@@ -295,7 +365,19 @@ def check_output(name: str, got, ref: Tensor, baseline, dtype: torch.dtype, cont
 
 
 def contract_errors(
-    q, k, v, do, exact: Result, causal: bool = False, scale=None, seqlens_k=None, stored_o=None, chunked: bool = False
+    q,
+    k,
+    v,
+    do,
+    exact: Result,
+    causal: bool = False,
+    scale=None,
+    seqlens_k=None,
+    stored_o=None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes=None,
+    chunked: bool = False,
 ) -> dict[str, float]:
     """Per gradient, the max change of the exact result when Delta comes from the stored ``o`` (see
     :func:`reference`'s ``stored_dtype``): the backend's own ``o`` when ``stored_o`` is given (what its backward
@@ -311,7 +393,19 @@ def contract_errors(
         return {}
     compute = reference_chunked if chunked else reference
     stored = compute(
-        q, k, v, do, causal, scale, seqlens_k, stored_dtype=dtype, device=exact.o.device, stored_o=stored_o
+        q,
+        k,
+        v,
+        do,
+        causal,
+        scale,
+        seqlens_k,
+        stored_dtype=dtype,
+        device=exact.o.device,
+        stored_o=stored_o,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
     )
     return {
         name: float((getattr(stored, name) - getattr(exact, name)).abs().max()) if exact.dq.numel() else 0.0

@@ -27,14 +27,16 @@ LAYOUTS = ("contiguous", "bnhd", "padded", "broadcast")
 
 @dataclass(frozen=True)
 class AttentionInputs:
-    """One call's tensors: q ``[B, H, Nq, D]``, k and v ``[B, Hkv, Nk, D]``, do ``[B, H, Nq, D]`` (None when no
-    backward is wanted), seqlens_k int32 ``[B]`` or None."""
+    """One call's tensors: q ``[B, H, Nq, D]``, k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk, Dv]``, do ``[B, H, Nq, Dv]``
+    (None when no backward is wanted), seqlens_k int32 ``[B]`` or None, alibi_slopes float32 ``[H]`` or ``[B, H]``
+    or None."""
 
     q: Tensor
     k: Tensor
     v: Tensor
     do: Tensor | None
     seqlens_k: Tensor | None
+    alibi_slopes: Tensor | None = None
 
 
 def random_inputs(
@@ -51,10 +53,14 @@ def random_inputs(
     seqlens_k: Sequence[int] | None = None,
     layout: str = "contiguous",
     with_do: bool = True,
+    head_dim_v: int | None = None,
+    alibi: str = "none",
 ) -> AttentionInputs:
     """Fresh standard-normal q, k, v and do (never zeros) in ``dtype`` on ``device``, drawn from a generator of that
     device seeded with ``seed`` and laid out as ``layout`` (one of :data:`LAYOUTS`); ``seqlens_k`` becomes an int32
-    tensor ``[B]`` on the device."""
+    tensor ``[B]`` on the device.  ``head_dim_v``: v's and do's head dim (default ``head_dim``).  ``alibi``: "none",
+    "heads" (slopes ``[H]``) or "batch-heads" (``[B, H]``), float32 slopes drawn in [-0.2, 1) (mostly a penalty with
+    distance, as in BLOOM; any real slope is valid)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     device = torch.device(device)
@@ -63,19 +69,26 @@ def random_inputs(
     def randn(*shape: int) -> Tensor:
         return torch.randn(*shape, generator=gen, dtype=dtype, device=device)
 
-    def draw(heads_: int, n: int) -> Tensor:
+    def draw(heads_: int, n: int, d: int) -> Tensor:
         if layout == "bnhd":
-            return randn(batch, n, heads_, head_dim).transpose(1, 2)
+            return randn(batch, n, heads_, d).transpose(1, 2)
         if layout == "padded":
-            return randn(batch, heads_, n, head_dim + 8)[..., 3 : 3 + head_dim]
+            return randn(batch, heads_, n, d + 8)[..., 3 : 3 + d]
         if layout == "broadcast":
-            return randn(batch, 1, n, head_dim).expand(batch, heads_, n, head_dim)
-        return randn(batch, heads_, n, head_dim)
+            return randn(batch, 1, n, d).expand(batch, heads_, n, d)
+        return randn(batch, heads_, n, d)
 
-    q, k, v = draw(heads, seqlen_q), draw(kv_heads, seqlen_k), draw(kv_heads, seqlen_k)
-    do = draw(heads, seqlen_q) if with_do else None
+    dv = head_dim if head_dim_v is None else head_dim_v
+    q, k, v = draw(heads, seqlen_q, head_dim), draw(kv_heads, seqlen_k, head_dim), draw(kv_heads, seqlen_k, dv)
+    do = draw(heads, seqlen_q, dv) if with_do else None
     lengths = None if seqlens_k is None else torch.tensor(list(seqlens_k), dtype=torch.int32, device=device)
-    return AttentionInputs(q, k, v, do, lengths)
+    slopes = None
+    if alibi != "none":
+        if alibi not in ("heads", "batch-heads"):
+            raise ValueError(f"alibi must be 'none', 'heads' or 'batch-heads', got {alibi!r}")
+        shape = (heads,) if alibi == "heads" else (batch, heads)
+        slopes = torch.rand(shape, generator=gen, dtype=torch.float32, device=device) * 1.2 - 0.2
+    return AttentionInputs(q, k, v, do, lengths, slopes)
 
 
 @dataclass
@@ -89,6 +102,17 @@ class Oracle:
     exact: oracle.Result
     baseline: oracle.Result | None
     chunked: bool = False
+    window: tuple[int | None, int | None] | None = None
+    softcap: float = 0.0
+
+    @property
+    def call_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of the judged call besides the tensors (``forward``, ``backward``, the oracle)."""
+        x = self.inputs
+        return dict(
+            causal=self.causal, scale=self.scale, seqlens_k=x.seqlens_k, window=self.window, softcap=self.softcap,
+            alibi_slopes=x.alibi_slopes,
+        )  # fmt: skip
 
     def check(self, outputs: Mapping[str, Any], stored_o: Any = None) -> dict[str, oracle.Check]:
         """Each of ``outputs`` ("o", "lse", "dq", "dk", "dv": those given) against the oracle under SPEC.md's rule.
@@ -96,7 +120,7 @@ class Oracle:
         The gradients are judged with the error the contract brings (Delta from the stored ``o``): ``stored_o`` is
         the ``o`` the backward was handed, by default ``outputs["o"]``.
         """
-        x, kw = self.inputs, dict(causal=self.causal, scale=self.scale, seqlens_k=self.inputs.seqlens_k)
+        x, kw = self.inputs, self.call_kwargs
         stored_o = outputs.get("o") if stored_o is None else stored_o
         contract: dict[str, float] = {}
         if x.do is not None and any(name in outputs for name in ("dq", "dk", "dv")):
@@ -118,31 +142,43 @@ def oracle_for(
     causal: bool = False,
     scale: float | None = None,
     *,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float = 0.0,
     device: torch.device | str = "cpu",
     chunked: bool = False,
 ) -> Oracle:
-    """Run the oracle on ``inputs`` (gradients too when ``inputs.do`` is given) on ``device``.
+    """Run the oracle on ``inputs`` (gradients too when ``inputs.do`` is given) on ``device``, with the score
+    modifiers ``window``, ``softcap`` and ``inputs.alibi_slopes``.
 
     ``chunked``: one (batch, query head) at a time (:func:`attnzoo.oracle.reference_chunked`), for sequences whose
     whole score matrix would not fit; the verdicts are the same.
     """
     x = inputs
     args = (x.q, x.k, x.v, x.do, causal, scale, x.seqlens_k)
+    modifiers = dict(window=window, softcap=softcap, alibi_slopes=x.alibi_slopes)
     if chunked:
-        exact = oracle.reference_chunked(*args, device=device)
-        baseline = oracle.plain_torch_chunked(*args) if x.q.dtype in oracle.LOW_PRECISION else None
+        exact = oracle.reference_chunked(*args, device=device, **modifiers)
+        baseline = oracle.plain_torch_chunked(*args, **modifiers) if x.q.dtype in oracle.LOW_PRECISION else None
     else:
-        exact = oracle.reference(*args, device=device)
-        baseline = oracle.plain_torch(*args) if x.q.dtype in oracle.LOW_PRECISION else None
-    return Oracle(x, causal, scale, exact, baseline, chunked)
+        exact = oracle.reference(*args, device=device, **modifiers)
+        baseline = oracle.plain_torch(*args, **modifiers) if x.q.dtype in oracle.LOW_PRECISION else None
+    return Oracle(x, causal, scale, exact, baseline, chunked, window, softcap)
 
 
 def run_backend(
-    backend: Backend, inputs: AttentionInputs, causal: bool = False, scale: float | None = None
+    backend: Backend,
+    inputs: AttentionInputs,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float = 0.0,
 ) -> dict[str, Any]:
-    """``backend``'s forward on ``inputs``, and its backward on the forward's ``o`` and ``lse`` when ``inputs.do``
-    is given: ``{"o", "lse"[, "dq", "dk", "dv"]}``."""
-    x, kw = inputs, dict(causal=causal, scale=scale, seqlens_k=inputs.seqlens_k)
+    """``backend``'s forward on ``inputs`` (with ``window``, ``softcap`` and ``inputs.alibi_slopes``), and its
+    backward on the forward's ``o`` and ``lse`` when ``inputs.do`` is given: ``{"o", "lse"[, "dq", "dk", "dv"]}``."""
+    x = inputs
+    kw = dict(
+        causal=causal, scale=scale, seqlens_k=x.seqlens_k, window=window, softcap=softcap, alibi_slopes=x.alibi_slopes
+    )
     o, lse = backend.forward(x.q, x.k, x.v, **kw)
     outputs = {"o": o, "lse": lse}
     if x.do is not None:
@@ -156,13 +192,16 @@ def check_backend(
     causal: bool = False,
     scale: float | None = None,
     *,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float = 0.0,
     judge: Oracle | None = None,
     chunked: bool = False,
 ) -> tuple[dict[str, Any], dict[str, oracle.Check]]:
     """Run ``backend`` on ``inputs`` (:func:`run_backend`) and check every output against the oracle; returns the
     outputs and the per-output checks.  ``judge``: an :class:`Oracle` already run on these inputs, else one is run
     (on the inputs' device when ``chunked``, else on the CPU)."""
-    outputs = run_backend(backend, inputs, causal, scale)
+    outputs = run_backend(backend, inputs, causal, scale, window, softcap)
     if judge is None:
-        judge = oracle_for(inputs, causal, scale, device=inputs.q.device if chunked else "cpu", chunked=chunked)
+        device = inputs.q.device if chunked else "cpu"
+        judge = oracle_for(inputs, causal, scale, window=window, softcap=softcap, device=device, chunked=chunked)
     return outputs, judge.check(outputs)

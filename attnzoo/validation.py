@@ -28,14 +28,22 @@ _TORCH_INT_DTYPES = (
 _NUMPY_FLOAT_DTYPES = (np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16))
 
 
+Window = tuple[int | None, int | None]
+
+
 @dataclass(frozen=True)
 class Problem:
-    """The validated shape of one attention call.
+    """The validated arguments of one attention call: everything a backend reads besides q, k and v.
 
-    ``q`` is ``[batch, heads, seqlen_q, head_dim]``; ``k`` and ``v`` are ``[batch, kv_heads, seqlen_k, head_dim]``.
-    ``dtype`` is a ``torch.dtype`` also for NumPy inputs (``is_numpy`` tells them apart).
-    Every argument of the call besides the tensors travels here, so a backend reads one object: ``seqlens_k`` is the
-    validated integer tensor (or array) ``[batch]`` itself, or None.
+    ``q`` is ``[batch, heads, seqlen_q, head_dim]``; ``k`` is ``[batch, kv_heads, seqlen_k, head_dim]`` and ``v``
+    ``[batch, kv_heads, seqlen_k, head_dim_v]``.  ``dtype`` is a ``torch.dtype`` also for NumPy inputs (``is_numpy``
+    tells them apart).
+
+    Score modifiers (SPEC.md): ``window`` is ``(left, right)`` or None (no window; ``(None, None)`` becomes None),
+    each side an int or None (unbounded), clamped to ``[-(Nq + Nk), Nq + Nk]``, which leaves the mask unchanged
+    and keeps both sides within int32; ``softcap`` is 0.0 when off; ``alibi_slopes`` is the validated float32
+    ``[H]`` or ``[B, H]`` tensor (or NumPy array) as given, or None; ``seqlens_k`` the integer ``[B]`` tensor as
+    given, or None.  The two tensors take no part in equality or repr.
     """
 
     batch: int
@@ -50,17 +58,43 @@ class Problem:
     scale: float
     is_numpy: bool
     device_name: str = "cpu"  # the full device, e.g. "cuda:1"
+    head_dim_v: int = 0  # 0: as head_dim (validate_forward always sets it)
+    window: Window | None = None
+    softcap: float = 0.0
     seqlens_k: Any = field(default=None, compare=False, repr=False)
+    alibi_slopes: Any = field(default=None, compare=False, repr=False)
 
-    @property
-    def has_seqlens_k(self) -> bool:
-        """Whether keys are masked per batch (``seqlens_k`` given)."""
-        return self.seqlens_k is not None
+    def __post_init__(self) -> None:
+        if self.head_dim_v == 0:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
 
     @property
     def group_size(self) -> int:
         """Query heads per K/V head (1 for multi-head, ``heads`` for multi-query attention)."""
         return self.heads // self.kv_heads
+
+    @property
+    def has_seqlens_k(self) -> bool:
+        return self.seqlens_k is not None
+
+    @property
+    def has_alibi(self) -> bool:
+        return self.alibi_slopes is not None
+
+    @property
+    def features_used(self) -> frozenset[str]:
+        """The SPEC.md features this call needs beyond plain attention (names as in ``Capabilities.features``)."""
+        used = {
+            "causal": self.causal,
+            "seqlens_k": self.has_seqlens_k,
+            "gqa": self.kv_heads != self.heads,
+            "nq_ne_nk": self.seqlen_q != self.seqlen_k,
+            "window": self.window is not None,
+            "softcap": self.softcap != 0.0,
+            "alibi": self.has_alibi,
+            "head_dim_v": self.head_dim_v != self.head_dim,
+        }
+        return frozenset(name for name, on in used.items() if on)
 
 
 def _describe(x: Any) -> str:
@@ -109,6 +143,9 @@ def validate_forward(
     causal: Any = False,
     scale: Any = None,
     seqlens_k: Any = None,
+    window: Any = None,
+    softcap: Any = 0.0,
+    alibi_slopes: Any = None,
     *,
     allow_numpy: bool = False,
     check_values: bool = True,
@@ -143,14 +180,20 @@ def validate_forward(
         )
     B, H, Nq, D = (int(s) for s in q.shape)
     Bk, Hkv, Nk, Dk = (int(s) for s in k.shape)
-    if tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    Dv = int(v.shape[3])
+    if tuple(k.shape[:3]) != tuple(v.shape[:3]):
+        raise ValueError(
+            f"k and v must have the same [B, Hkv, Nk] (v may have its own head dim), got k {tuple(k.shape)} and "
+            f"v {tuple(v.shape)}"
+        )
     if Bk != B:
         raise ValueError(f"k must have batch size {B} (as q), got {Bk}")
     if Dk != D:
-        raise ValueError(f"k and v must have head dim {D} (as q), got {Dk}")
+        raise ValueError(f"k must have head dim {D} (as q), got {Dk}")
     if D < 1:
         raise ValueError(f"q must have head dim D >= 1, got {D}")
+    if Dv < 1:
+        raise ValueError(f"v must have head dim Dv >= 1, got {Dv}")
     if Hkv < 1 or H % Hkv != 0:
         raise ValueError(
             f"the number of query heads must be a multiple of the number of K/V heads, got H={H} (q) and "
@@ -172,6 +215,10 @@ def validate_forward(
             raise ValueError(f"scale must be finite in float32, got {scale!r}")
     if seqlens_k is not None:
         _validate_seqlens_k(seqlens_k, B, Nk, q, is_numpy, check_values)
+    window = _validate_window(window, Nq, Nk)
+    softcap = _validate_softcap(softcap)
+    if alibi_slopes is not None:
+        _validate_alibi_slopes(alibi_slopes, B, H, q, is_numpy)
     return Problem(
         batch=B,
         heads=H,
@@ -185,8 +232,66 @@ def validate_forward(
         scale=float(scale),
         is_numpy=is_numpy,
         device_name=_device_of(q),
+        head_dim_v=Dv,
+        window=window,
+        softcap=softcap,
         seqlens_k=seqlens_k,
+        alibi_slopes=alibi_slopes,
     )
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _validate_window(window: Any, Nq: int, Nk: int) -> Window | None:
+    """``(left, right)`` of ints or None, clamped to ``[-(Nq + Nk), Nq + Nk]``; None when both sides are unbounded.
+
+    Row ``i`` sees key ``j`` iff ``-left <= j - i' <= right``, and ``j - i'`` lies in ``[-(Nk - 1), Nq - 1]``: a side
+    beyond ``Nq + Nk`` either way selects the same keys as ``Nq + Nk`` does, so clamping changes no mask.
+    """
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2 or not all(w is None or _is_int(w) for w in window):
+        raise TypeError(f"window must be None or a pair (left, right) of ints or None, got {window!r}")
+    if window[0] is None and window[1] is None:
+        return None
+    bound = Nq + Nk
+    left, right = (None if w is None else max(-bound, min(bound, int(w))) for w in window)
+    return left, right
+
+
+def _validate_softcap(softcap: Any) -> float:
+    """0.0 (off) or a positive float within float32's normal range (kernels divide the scores by it in float32)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
+        raise TypeError(f"softcap must be a real number (0.0: off), got {type(softcap).__name__} {softcap!r}")
+    try:
+        value = float(softcap)
+    except OverflowError:
+        value = math.inf
+    finfo = np.finfo(np.float32)
+    if value != 0.0 and not (float(finfo.tiny) <= value <= float(finfo.max)):
+        raise ValueError(
+            f"softcap must be 0 (off) or positive, finite and within float32's normal range, got {softcap!r}"
+        )
+    return value
+
+
+def _validate_alibi_slopes(slopes: Any, B: int, H: int, q: Any, is_numpy: bool) -> None:
+    """float32 ``[H]`` or ``[B, H]``, on the device of q (a NumPy array with NumPy inputs)."""
+    if is_numpy and isinstance(slopes, np.ndarray):
+        dtype_ok = slopes.dtype == np.float32
+    elif isinstance(slopes, torch.Tensor) and slopes.layout == torch.strided:
+        dtype_ok = slopes.dtype == torch.float32
+        if not is_numpy and slopes.device != q.device:
+            raise ValueError(f"alibi_slopes must be on the device of q ({q.device}), got {slopes.device}")
+    else:
+        expected = "a float32 numpy array or torch tensor" if is_numpy else "a dense float32 torch.Tensor"
+        raise TypeError(f"alibi_slopes must be None or {expected} of shape [H] or [B, H], got {_describe(slopes)}")
+    if not dtype_ok:
+        raise TypeError(f"alibi_slopes must be float32, got {slopes.dtype}")
+    if tuple(slopes.shape) not in ((H,), (B, H)):
+        raise ValueError(f"alibi_slopes must have shape [H] = [{H}] or [B, H] = [{B}, {H}], got {tuple(slopes.shape)}")
 
 
 def _validate_seqlens_k(seqlens_k: Any, B: int, Nk: int, q: Any, is_numpy: bool, check_values: bool) -> None:
@@ -223,13 +328,16 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 def validate_backward(problem: Problem, do: Any, o: Any, lse: Any) -> None:
     """Check the extra arguments of ``backward`` against the validated forward problem."""
     allow_numpy = problem.is_numpy
-    expected_q = (problem.batch, problem.heads, problem.seqlen_q, problem.head_dim)
+    expected_q = (problem.batch, problem.heads, problem.seqlen_q, problem.head_dim_v)
     for name, x in (("do", do), ("o", o)):
         _check_array(name, x, allow_numpy)
         if (type(x) is np.ndarray) != problem.is_numpy:
             raise TypeError(f"{name} must be of the same kind as q, got {_describe(x)}")
         if tuple(x.shape) != expected_q:
-            raise ValueError(f"{name} must have the shape of q, {list(expected_q)}, got {list(x.shape)}")
+            raise ValueError(
+                f"{name} must have shape [B, H, Nq, Dv] (q's, with v's head dim) = {list(expected_q)}, "
+                f"got {list(x.shape)}"
+            )
         if _torch_dtype_of(name, x) != problem.dtype:
             raise TypeError(f"{name} must have the dtype of q ({problem.dtype}), got {x.dtype}")
         if _device_of(x) != problem.device_name:

@@ -37,9 +37,9 @@ from attnzoo.kernels.tuning import CANDIDATES, KernelConfig, head_dim_tile
 KERNELS = {"forward": attention_forward_kernel, "dkdv": dkdv_kernel, "dq": dq_kernel, "atomic": atomic_backward_kernel}
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
-FLOAT32_POINTERS = ("lse_ptr", "lse2_ptr", "delta_ptr", "dk_acc_ptr", "dv_acc_ptr")
+FLOAT32_POINTERS = ("lse_ptr", "lse2_ptr", "delta_ptr", "dk_acc_ptr", "dv_acc_ptr", "alibi_ptr")
 INT32_POINTERS = ("seqlens_ptr", "counts_ptr")
-SCALARS = ("sm_scale", "qk_scale")
+SCALARS = ("sm_scale", "qk_scale", "cap_in", "cap_out")
 
 
 def _ptxas() -> str:
@@ -50,14 +50,19 @@ def _ptxas() -> str:
     return tool.path
 
 
-def source(kernel, dtype: str, d: int, cfg: KernelConfig, causal: bool, q_tail: bool) -> ASTSource:
-    """The kernel as a launch on contiguous ``[B, H, N, d]`` tensors of ``dtype`` would specialise it."""
+def source(
+    kernel, dtype: str, d: int, cfg: KernelConfig, causal: bool, q_tail: bool, modifiers: frozenset[str] = frozenset()
+) -> ASTSource:
+    """The kernel as a launch on contiguous ``[B, H, N, d]`` tensors of ``dtype`` would specialise it; ``modifiers``:
+    "window" (a left bound, as causal sliding windows have), "softcap" (the GPU's fp16/bf16 form), "alibi"."""
     block_d = head_dim_tile(d)
+    plain = not {"softcap", "alibi"} & modifiers
     flags = dict(
         EVEN_D=d == block_d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
         HAS_SEQLENS=False, DOT_PRECISION="ieee", DEBUG=False, Q_TAIL=q_tail, DELTA_RECOMPUTE=False,
-        FOLD_SCALE=folds_scale(1.0, block_d), MASK_STAGE=causal,  # MASK_STAGE as for N % 128 == 0, no seqlens_k
-        USE_TMA=cfg.tma,
+        FOLD_SCALE=folds_scale(1.0, block_d) and plain, MASK_STAGE=causal,  # as for N % 128 == 0, no seqlens_k
+        USE_TMA=cfg.tma, BLOCK_DV=block_d, EVEN_DV=d == block_d, DV_IS_D=True, WINDOW_LEFT="window" in modifiers,
+        WINDOW_RIGHT=False, SOFTCAP=2 if "softcap" in modifiers else 0, ALIBI="alibi" in modifiers,
     )  # fmt: skip
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):
@@ -75,7 +80,7 @@ def source(kernel, dtype: str, d: int, cfg: KernelConfig, causal: bool, q_tail: 
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-            if name.startswith("stride"):
+            if name.startswith("stride") and "alibi" not in name:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
 
@@ -116,14 +121,17 @@ def gluon_source(kernel_name: str, dtype: str, d: int, cfg: KernelConfig, causal
     return GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs), num_warps
 
 
-def report(kernel_name: str, dtype: str, d: int, cfg: KernelConfig, causal: bool, q_tail: bool) -> dict:
+def report(
+    kernel_name: str, dtype: str, d: int, cfg: KernelConfig, causal: bool, q_tail: bool,
+    modifiers: frozenset[str] = frozenset(),
+) -> dict:  # fmt: skip
     """Registers, spill bytes, global store / reduction widths and the wgmma waits of one compiled config."""
     if cfg.gluon:
         if gluon_unavailable_reason():
             raise SystemExit(gluon_unavailable_reason())
         src, num_warps = gluon_source(kernel_name, dtype, d, cfg, causal)
     else:
-        src, num_warps = source(KERNELS[kernel_name], dtype, d, cfg, causal, q_tail), cfg.num_warps
+        src, num_warps = source(KERNELS[kernel_name], dtype, d, cfg, causal, q_tail, modifiers), cfg.num_warps
     compiled = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=cfg.num_stages))
     ptx = compiled.asm["ptx"]
     path = f"/tmp/attnzoo_{kernel_name}_{os.getpid()}.ptx"
@@ -166,12 +174,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--q-tail", action="store_true", help="dkdv: Nq not a multiple of BLOCK_M")
+    parser.add_argument(
+        "--modifiers",
+        default="",
+        help="comma list of window, softcap, alibi (Triton kernels; the GPU's fp16/bf16 form)",
+    )
     args = parser.parse_args(argv)
+    modifiers = frozenset(filter(None, args.modifiers.split(",")))
     for name in args.kernel.split(","):
         configs = [parse_config(args.config)] if args.config else CANDIDATES[name]
         for d in map(int, args.d.split(",")):
             for cfg in configs:
-                r = report(name, args.dtype, d, cfg, args.causal, args.q_tail)
+                r = report(name, args.dtype, d, cfg, args.causal, args.q_tail, modifiers)
                 widths = lambda counts: " ".join(f"{n}x{w}" for w, n in sorted(counts.items())) or "-"  # noqa: E731
                 print(
                     f"{name} {args.dtype} D={d} {cfg}: "

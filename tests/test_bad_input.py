@@ -58,12 +58,40 @@ FORWARD_CASES = [
     ("scale beyond float", ValueError, "scale", lambda q, k, v: dict(scale=10**400)),
     ("scale beyond float32", ValueError, "scale", lambda q, k, v: dict(scale=1e39)),
     ("scale is a bool", TypeError, "scale", lambda q, k, v: dict(scale=True)),
+    ("v of other K/V heads", ValueError, "k and v", lambda q, k, v: dict(v=v[:, :1])),
+    ("v of no head dim", ValueError, "Dv", lambda q, k, v: dict(v=v[..., :0])),
+    # SPEC.md, "Score modifiers": window a pair of ints or None; softcap >= 0 and finite; slopes float32 [H] or [B, H]
+    ("window of three sides", TypeError, "window", lambda q, k, v: dict(window=(1, 2, 3))),
+    ("window an int", TypeError, "window", lambda q, k, v: dict(window=4)),
+    ("window of floats", TypeError, "window", lambda q, k, v: dict(window=(1.5, None))),
+    ("window with a bool side", TypeError, "window", lambda q, k, v: dict(window=(True, 2))),
+    ("window a string", TypeError, "window", lambda q, k, v: dict(window="3,2")),
+    ("window of tensors", TypeError, "window", lambda q, k, v: dict(window=(torch.tensor(1), 2))),
+    ("softcap negative", ValueError, "softcap", lambda q, k, v: dict(softcap=-1.0)),
+    ("softcap inf", ValueError, "softcap", lambda q, k, v: dict(softcap=float("inf"))),
+    ("softcap NaN", ValueError, "softcap", lambda q, k, v: dict(softcap=float("nan"))),
+    ("softcap beyond float32", ValueError, "softcap", lambda q, k, v: dict(softcap=1e39)),
+    ("softcap below float32's range", ValueError, "softcap", lambda q, k, v: dict(softcap=1e-45)),
+    ("softcap a string", TypeError, "softcap", lambda q, k, v: dict(softcap="30")),
+    ("softcap None", TypeError, "softcap", lambda q, k, v: dict(softcap=None)),
+    ("alibi_slopes of H + 1", ValueError, "alibi_slopes", lambda q, k, v: dict(alibi_slopes=torch.rand(H + 1))),
+    ("alibi_slopes [B, H, 1]", ValueError, "alibi_slopes", lambda q, k, v: dict(alibi_slopes=torch.rand(B, H, 1))),
+    ("alibi_slopes [H, B]", ValueError, "alibi_slopes", lambda q, k, v: dict(alibi_slopes=torch.rand(H, B))),
+    ("alibi_slopes float64", TypeError, "alibi_slopes", lambda q, k, v: dict(alibi_slopes=torch.rand(H).double())),
+    ("alibi_slopes float16", TypeError, "alibi_slopes", lambda q, k, v: dict(alibi_slopes=torch.rand(H).half())),
+    ("alibi_slopes a list", TypeError, "alibi_slopes", lambda q, k, v: dict(alibi_slopes=[0.5] * H)),
+    (
+        "alibi_slopes on another device",
+        ValueError,
+        "alibi_slopes",
+        lambda q, k, v: dict(alibi_slopes=torch.ones(H, device="meta")),
+    ),
 ]
 
 
 def _call_forward(backend, **changes):
     q, k, v = good()
-    args = dict(q=q, k=k, v=v, causal=False, scale=None, seqlens_k=None)
+    args = dict(q=q, k=k, v=v, causal=False, scale=None, seqlens_k=None, window=None, softcap=0.0, alibi_slopes=None)
     args.update(changes)
     return backend.forward(**args)
 
@@ -109,14 +137,16 @@ BACKWARD_CASES = [
     ("lse on another device", ValueError, "lse", lambda do, o, lse: dict(lse=lse.to("meta"))),
     ("o of wrong shape", ValueError, "o", lambda do, o, lse: dict(o=o[:1])),
     ("lse a numpy array", TypeError, "lse", lambda do, o, lse: dict(lse=lse.numpy())),
+    ("do with D where v has Dv", ValueError, "Dv", lambda do, o, lse: dict(do=torch.randn(B, H, NQ, D))),
 ]
 
 
 @pytest.mark.parametrize("name", attnzoo.names())
 @pytest.mark.parametrize("what, error, word, change", BACKWARD_CASES, ids=[c[0] for c in BACKWARD_CASES])
 def test_backward_rejects(name, what, error, word, change, no_kernel):
-    q, k, v = good()
-    do, o, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(B, H, NQ)
+    q, k, _ = good()
+    v = torch.randn(B, HKV, NK, D + 8)  # o and do take v's head dim
+    do, o, lse = torch.randn(B, H, NQ, D + 8), torch.randn(B, H, NQ, D + 8), torch.randn(B, H, NQ)
     args = dict(do=do, o=o, lse=lse)
     args.update(change(do, o, lse))
     with pytest.raises(error, match=word):
@@ -134,6 +164,11 @@ def test_head_dim_above_the_declared_limit_is_a_value_error(name, no_kernel):
             call(q, q, q)
     with pytest.raises(ValueError, match=f"D={limit + 8}"):
         attnzoo.attention(q, q, q, backend=name)
+    # v's own head dim is held to the same limit, also where the backend has no Dv != D yet
+    q_ok, v_wide = torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, limit + 8)
+    for call in (attnzoo.get(name).forward, attnzoo.get(name).not_supported_reasons):
+        with pytest.raises(ValueError, match=f"Dv={limit + 8}"):
+            call(q_ok, q_ok, v_wide)
 
 
 @pytest.mark.parametrize("name", attnzoo.names())

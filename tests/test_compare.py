@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import attnzoo
@@ -46,3 +47,25 @@ def test_cli_usage(capsys):
     assert cli_main(["--help"]) == 0
     assert "compare" in capsys.readouterr().out
     assert cli_main(["nonsense"]) == 2
+
+
+def test_compare_takes_the_score_modifiers_and_dv(capsys):
+    args = ["--window", "none,3", "--softcap", "5", "--alibi", "--Dv", "24", "--causal"]
+    assert compare.main([*SMALL, *args, "--backends", "numpy_ref,torch_fa2"]) == 0
+    out = capsys.readouterr().out
+    assert "Dv=24" in out and "window=(None, 3)" in out and "softcap=5.0" in out and "alibi" in out
+    assert out.count(" ok") == 2
+
+
+def test_compare_rejects_bad_modifier_flags_in_one_line(capsys):
+    with pytest.raises(SystemExit) as info:  # argparse: a usage line and the error
+        compare.main([*SMALL, "--window", "3"])
+    assert info.value.code == 2 and "--window" in capsys.readouterr().err
+    assert compare.main([*SMALL, "--softcap", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "softcap" in err and len(err.strip().splitlines()) == 1
+
+
+def test_alibi_slopes_are_bloom_s():
+    assert compare.alibi_slopes(4) == [2**-2, 2**-4, 2**-6, 2**-8]
+    assert compare.alibi_slopes(6) == [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3]

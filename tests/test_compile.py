@@ -74,15 +74,17 @@ def test_bad_input_still_raises_under_compile():
         compiled(q, k, v, None)
 
 
-@pytest.mark.parametrize("seqlens", [None, (40, 3)])
-def test_operators_pass_opcheck(seqlens):
+@pytest.mark.parametrize("seqlens, with_modifiers", [(None, False), ((40, 3), False), ((40, 3), True)])
+def test_operators_pass_opcheck(seqlens, with_modifiers):
     q, k, v = _inputs(requires_grad=False, seed=4)
     lens = None if seqlens is None else torch.tensor(seqlens, dtype=torch.int32)
+    # (window_left, window_right, softcap, alibi_slopes)
+    modifiers = (9, 2, 5.0, torch.rand(4) * 0.5) if with_modifiers else (None, None, 0.0, None)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    torch.library.opcheck(attention_forward_op, (*leaves, lens, True, 0.3, "torch_fa2"))
-    o, lse = attention_forward_op(q, k, v, lens, True, 0.3, "torch_fa2")
+    torch.library.opcheck(attention_forward_op, (*leaves, lens, True, 0.3, *modifiers, "torch_fa2"))
+    o, lse = attention_forward_op(q, k, v, lens, True, 0.3, *modifiers, "torch_fa2")
     do = torch.randn_like(o)
-    torch.library.opcheck(attention_backward_op, (do, q, k, v, o, lse, lens, True, 0.3, "torch_fa2"))
+    torch.library.opcheck(attention_backward_op, (do, q, k, v, o, lse, lens, True, 0.3, *modifiers, "torch_fa2"))
 
 
 def test_a_backend_instance_with_options_runs_through_the_operator():

@@ -128,12 +128,15 @@ def test_cuda_graph_capture_of_forward_and_backward(backend):
 
 
 @pytest.mark.parametrize("backend", TRITON)
-def test_operators_pass_opcheck(backend):
+@pytest.mark.parametrize("with_modifiers", [False, True])
+def test_operators_pass_opcheck(backend, with_modifiers):
     q, k, v, do, lens = _inputs(seed=5, Nq=128, Nk=96)
+    # (window_left, window_right, softcap, alibi_slopes)
+    modifiers = (40, 0, 20.0, torch.rand(8, device="cuda") * 0.5) if with_modifiers else (None, None, 0.0, None)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    torch.library.opcheck(attention_forward_op, (*leaves, lens, True, 0.125, backend))
-    o, lse = attention_forward_op(q, k, v, lens, True, 0.125, backend)
-    torch.library.opcheck(attention_backward_op, (do, q, k, v, o, lse, lens, True, 0.125, backend))
+    torch.library.opcheck(attention_forward_op, (*leaves, lens, True, 0.125, *modifiers, backend))
+    o, lse = attention_forward_op(q, k, v, lens, True, 0.125, *modifiers, backend)
+    torch.library.opcheck(attention_backward_op, (do, q, k, v, o, lse, lens, True, 0.125, *modifiers, backend))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -14,10 +14,11 @@ import attnzoo
 from attnzoo import drop_in as sdpa_module
 
 
-def _qkv(B=2, H=4, Hkv=4, Nq=24, Nk=24, D=16, seed=0, dtype=torch.float32):
+def _qkv(B=2, H=4, Hkv=4, Nq=24, Nk=24, D=16, Dv=None, seed=0, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, Nq, D, generator=gen, dtype=dtype)
-    k, v = (torch.randn(B, Hkv, Nk, D, generator=gen, dtype=dtype) for _ in range(2))
+    k = torch.randn(B, Hkv, Nk, D, generator=gen, dtype=dtype)
+    v = torch.randn(B, Hkv, Nk, Dv or D, generator=gen, dtype=dtype)
     return q, k, v
 
 
@@ -50,6 +51,9 @@ def _runs_attnzoo(monkeypatch) -> list:
         (dict(), dict(is_causal=True, scale=0.3)),
         (dict(H=6, Hkv=2), dict(is_causal=True, enable_gqa=True)),
         (dict(Nq=5, Nk=31), dict()),
+        (dict(Nq=5, Nk=31), dict(is_causal=True)),  # top-left causal: the window (None, Nq - Nk)
+        (dict(Nq=31, Nk=5), dict(is_causal=True)),
+        (dict(Dv=24), dict(is_causal=True)),
     ],
 )
 def test_expressible_calls_run_attnzoo_and_match_torch(monkeypatch, shape, kwargs):
@@ -86,7 +90,6 @@ def test_key_padding_masks_become_seqlens_k(monkeypatch, mask_kind):
     "shape, kwargs",
     [
         (dict(), dict(dropout_p=0.5)),  # dropout
-        (dict(Nq=5, Nk=31), dict(is_causal=True)),  # top-left causal with Nq != Nk
         (dict(), dict(attn_mask="scattered")),  # a mask that is not key padding
         (dict(), dict(attn_mask="causal_bool")),  # a full [Nq, Nk] mask
     ],

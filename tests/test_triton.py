@@ -52,16 +52,21 @@ def _inputs(B, H, Hkv, Nq, Nk, D, seqlens, dtype=torch.float32, seed=0):
     return x.q, x.k, x.v, x.do, x.seqlens_k
 
 
-def _check_all(backend, q, k, v, do, causal, seqlens, scale=None):
-    outputs, checks = check_backend(backend, AttentionInputs(q, k, v, do, seqlens), causal, scale)
+def _check_all(backend, q, k, v, do, causal, seqlens, scale=None, window=None, softcap=0.0, alibi_slopes=None):
+    """Forward and backward of ``backend`` against the float64 oracle under SPEC.md's rule, with the score modifiers
+    ``window``, ``softcap`` and ``alibi_slopes``."""
+    inputs = AttentionInputs(q, k, v, do, seqlens, alibi_slopes)
+    outputs, checks = check_backend(backend, inputs, causal, scale, window=window, softcap=softcap)
     for name, check in checks.items():
         assert check.ok, f"{backend!r} {name}: {check.message}"
     return tuple(outputs[name] for name in ("o", "lse", "dq", "dk", "dv"))
 
 
-def _expected_q_stationary(B, H, Hkv, Nq, Nk, causal, seqlens, bm, bn):
-    """Exact K/V tile counts per Q block: a tile is needed iff some real row sees some real key in it."""
-    mask = oracle.visible_mask(B, Nq, Nk, causal, None if seqlens is None else torch.tensor(seqlens))[:, 0]
+def _expected_q_stationary(B, H, Hkv, Nq, Nk, causal, seqlens, bm, bn, window=None):
+    """Exact K/V tile counts per Q block: a tile is needed iff some real row sees some real key in it (SPEC.md's
+    mask, window included)."""
+    mask = oracle.visible_mask(B, Nq, Nk, causal, None if seqlens is None else torch.tensor(seqlens), window=window)
+    mask = mask[:, 0]
     n_m, n_n = math.ceil(Nq / bm), math.ceil(Nk / bn)
     visited = torch.zeros(B, n_m, dtype=torch.int32)
     for i in range(n_m):
@@ -71,9 +76,10 @@ def _expected_q_stationary(B, H, Hkv, Nq, Nk, causal, seqlens, bm, bn):
     return visited, n_n - visited
 
 
-def _expected_kv_stationary(B, H, Hkv, Nq, Nk, causal, seqlens, bm, bn):
+def _expected_kv_stationary(B, H, Hkv, Nq, Nk, causal, seqlens, bm, bn, window=None):
     """Exact Q tile counts per K/V block, summed over the group's query heads."""
-    mask = oracle.visible_mask(B, Nq, Nk, causal, None if seqlens is None else torch.tensor(seqlens))[:, 0]
+    mask = oracle.visible_mask(B, Nq, Nk, causal, None if seqlens is None else torch.tensor(seqlens), window=window)
+    mask = mask[:, 0]
     n_m, n_n = math.ceil(Nq / bm), math.ceil(Nk / bn)
     group = H // Hkv
     visited = torch.zeros(B, n_n, dtype=torch.int32)
@@ -116,6 +122,134 @@ def test_tile_counts_with_unequal_blocks():
         assert torch.equal(fwd.visited, _expected_q_stationary(B, H, Hkv, Nq, Nk, causal, seqlens, bm, bn)[0])
         kv = debug.tile_counts("triton_2kernel", q, k, v, causal, sl, kernel="dkdv", block_m=bm, block_n=bn)
         assert torch.equal(kv.visited, _expected_kv_stationary(B, H, Hkv, Nq, Nk, causal, seqlens, bm, bn)[0])
+
+
+# (B, H, Hkv, Nq, Nk, causal, seqlens_k, window): sliding windows with causal, both sides bounded, one side only,
+# negative sides (a band off the diagonal), an empty band (no row sees a key), windows narrower than a tile and wider
+# than the sequence, Nq != Nk both ways, seqlens_k cutting inside the window.
+WINDOWS = [
+    (1, 2, 1, 70, 70, True, None, (20, 0)),
+    (2, 1, 1, 64, 90, True, [90, 33], (5, None)),
+    (1, 1, 1, 81, 47, False, None, (9, 12)),
+    (2, 2, 2, 40, 75, False, [60, 75], (None, -20)),
+    (1, 1, 1, 50, 50, False, None, (-10, 30)),
+    (1, 1, 1, 48, 48, True, None, (-3, None)),
+    (1, 2, 1, 33, 66, True, [50], (1000, -7)),
+    (1, 1, 1, 66, 33, False, [20], (3, 3)),
+]
+
+
+@pytest.mark.parametrize("geometry", WINDOWS)
+@pytest.mark.parametrize(
+    "backend,kernel", [("triton_2kernel", "forward"), ("triton_2kernel", "dq"), ("triton_atomic", "atomic")]
+)
+def test_q_stationary_kernels_skip_exactly_the_tiles_outside_the_window(geometry, backend, kernel):
+    """A K/V tile that no real row sees through the window is never loaded, every other one is: the kernels' own
+    counters against the tiles of SPEC.md's mask."""
+    B, H, Hkv, Nq, Nk, causal, seqlens, window = geometry
+    q, k, v, _, sl = _inputs(B, H, Hkv, Nq, Nk, 16, seqlens)
+    for bm, bn in ((16, 16), (32, 16), (16, 32)):
+        counts = debug.tile_counts(backend, q, k, v, causal, sl, kernel=kernel, window=window, block_m=bm, block_n=bn)
+        visited, skipped = _expected_q_stationary(B, H, Hkv, Nq, Nk, causal, seqlens, bm, bn, window)
+        assert torch.equal(counts.visited, visited), f"{bm}x{bn}: {counts.visited.tolist()} != {visited.tolist()}"
+        assert torch.equal(counts.skipped, skipped)
+
+
+@pytest.mark.parametrize("geometry", WINDOWS)
+def test_kv_stationary_kernel_skips_exactly_the_q_tiles_outside_the_window(geometry):
+    B, H, Hkv, Nq, Nk, causal, seqlens, window = geometry
+    q, k, v, _, sl = _inputs(B, H, Hkv, Nq, Nk, 16, seqlens)
+    for bm, bn in ((16, 16), (32, 16), (16, 32)):
+        counts = debug.tile_counts(
+            "triton_2kernel", q, k, v, causal, sl, kernel="dkdv", window=window, block_m=bm, block_n=bn
+        )
+        visited, skipped = _expected_kv_stationary(B, H, Hkv, Nq, Nk, causal, seqlens, bm, bn, window)
+        assert torch.equal(counts.visited, visited), f"{bm}x{bn}: {counts.visited.tolist()} != {visited.tolist()}"
+        assert torch.equal(counts.skipped, skipped)
+
+
+def _slopes(B, H, per_batch, seed):
+    g = torch.Generator().manual_seed(seed)
+    slopes = torch.rand((B, H) if per_batch else (H,), generator=g) * 0.5
+    return slopes.to(DEVICE)
+
+
+# (B, H, Hkv, Nq, Nk, D, Dv, causal, seqlens_k, window, softcap, ALiBi slopes per batch?) (None: no ALiBi)
+MODIFIED = [
+    (2, 2, 1, 37, 53, 40, 24, True, [46, 0], (11, 0), 2.0, True),
+    (1, 2, 2, 45, 30, 16, 32, False, None, (6, 6), 0.0, False),
+    (2, 2, 1, 30, 30, 24, 24, True, [30, 9], None, 1.5, None),
+    (1, 4, 2, 20, 41, 16, 16, False, [33], (None, -5), 0.0, None),
+    (1, 1, 1, 33, 33, 16, 48, True, None, (-2, None), 3.0, True),  # empty band: o = 0, lse = -inf, no gradient
+]
+
+
+@pytest.mark.parametrize("name", TRITON)
+@pytest.mark.parametrize("case", MODIFIED)
+def test_score_modifiers_match_the_oracle(name, case):
+    """Windows, soft cap, ALiBi ([H] and [B, H]) and Dv != D, alone and together, with seqlens_k, GQA, Nq != Nk and
+    head dims below their tiles: all five outputs against the float64 oracle."""
+    B, H, Hkv, Nq, Nk, D, Dv, causal, seqlens, window, softcap, per_batch = case
+    q, k, _, _, sl = _inputs(B, H, Hkv, Nq, Nk, D, seqlens, seed=21)
+    _, _, v, do, _ = _inputs(B, H, Hkv, Nq, Nk, Dv, seqlens, seed=22)
+    alibi = None if per_batch is None else _slopes(B, H, per_batch, seed=23)
+    o, lse, dq, dk, dv = _check_all(
+        attnzoo.get(name), q, k, v, do, causal, sl, window=window, softcap=softcap, alibi_slopes=alibi
+    )
+    assert o.shape == (B, H, Nq, Dv) and dv.shape == v.shape
+    if window == (-2, None):
+        assert not o.any() and torch.isneginf(lse).all() and not dq.any() and not dk.any() and not dv.any()
+
+
+@pytest.mark.parametrize("name", TRITON)
+def test_softcap_and_alibi_in_fp16_match_the_oracle_rule(name):
+    q, k, v, do, sl = _inputs(2, 2, 1, 40, 56, 64, [56, 30], dtype=torch.float16, seed=24)
+    alibi = _slopes(2, 2, True, seed=25)
+    _check_all(attnzoo.get(name), q, k, v, do, True, sl, scale=0.5, window=(17, 0), softcap=4.0, alibi_slopes=alibi)
+
+
+def test_a_window_through_tensor_descriptors_equals_pointer_loads():
+    """The unmasked middle stage of a windowed call loads K/V through descriptors (the edge stages through pointers):
+    the same bits as pointer loads everywhere, forward and backward, with Dv != D."""
+    q, k, _, _, sl = _inputs(2, 2, 1, 70, 90, 32, [90, 41], seed=26)
+    _, _, v, do, _ = _inputs(2, 2, 1, 70, 90, 16, [90, 41], seed=27)
+    pointer_cfg = KernelConfig(16, 16, 1, 1)
+    kw = dict(causal=True, seqlens_k=sl, window=(40, 0), softcap=3.0)
+    results = {}
+    for tma in (False, True):
+        cfg = dataclasses.replace(pointer_cfg, tma=tma)
+        backend = attnzoo.get("triton_2kernel", configs={"forward": cfg, "dq": cfg, "dkdv": pointer_cfg})
+        o, lse = backend.forward(q, k, v, **kw)
+        results[tma] = (o, lse, *backend.backward(do, q, k, v, o, lse, **kw))
+    for with_descriptors, with_pointers in zip(results[True], results[False], strict=True):
+        assert torch.equal(with_descriptors, with_pointers)
+
+
+@pytest.mark.parametrize(
+    "modifier,field,reason",
+    [
+        (dict(window=(8, 0)), "window", "window"),
+        (dict(window=(None, -3)), "window", "window"),
+        (dict(softcap=5.0), "softcap", "softcap"),
+        (dict(alibi_slopes=torch.full((2,), 0.5)), "alibi", "alibi"),
+        (dict(head_dim_v=32), None, "Dv != D"),
+    ],
+)
+@pytest.mark.parametrize("variant", [KernelVariant.FORWARD, KernelVariant.DKDV])
+def test_the_gluon_scopes_name_the_modifiers_their_kernels_lack(variant, modifier, field, reason):
+    """A call with a modifier a Gluon kernel does not apply runs the Triton kernel with the same tiles (the tuner then
+    drops the ``gluon`` twin): its scope names the modifier; one the kernel applies is not named."""
+    q, k, v, _, _ = _inputs(1, 2, 2, 64, 64, 64, None, dtype=torch.float16)
+    modifier = dict(modifier)
+    if "head_dim_v" in modifier:
+        v = torch.randn(1, 2, 64, modifier.pop("head_dim_v"), dtype=v.dtype, device=v.device)
+    modifier = {key: val.to(DEVICE) if isinstance(val, torch.Tensor) else val for key, val in modifier.items()}
+    call = prepare(q, k, v, validate_forward(q, k, v, **modifier))
+    scope = variant.gluon_scope
+    reasons = scope.modifier_reasons(call.modifiers)
+    applies = field is not None and getattr(scope, field)
+    assert applies != any(reason in r for r in reasons), reasons
+    assert scope.modifier_reasons(prepare(q, k, k, validate_forward(q, k, k)).modifiers) == []
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES)

@@ -1,9 +1,10 @@
 """The backends; importing this package registers each of them (registration order is the table order).
 
-``tile_is_empty`` is the tile-skipping test of the blocked backends, public for the benchmark's skip ratio.
+``tile_is_empty`` (with ``key_band``, the causal/window band it tests) is the tile-skipping test of the blocked
+backends, public for the benchmark's skip ratio.
 """
 
 from . import numpy_ref, torch_fa1, torch_fa2, triton_2kernel, triton_atomic  # noqa: F401
-from ._tiles import tile_is_empty
+from ._tiles import key_band, tile_is_empty
 
-__all__ = ["tile_is_empty"]
+__all__ = ["key_band", "tile_is_empty"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..validation import Problem
-from ._tiles import tile_is_empty, tile_visibility
+from ._tiles import key_band, tile_is_empty, tile_visibility
 
 Tensor = torch.Tensor
 
@@ -17,25 +17,31 @@ DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16}
 
 
 class TorchTiles:
-    """Grouped views and tile geometry of one call.
+    """Grouped views, tile geometry and score modifiers of one call.
 
     ``q``-side tensors are viewed as ``[B, Hkv, G, N, D]`` and K/V as ``[B, Hkv, 1, N, D]``; arithmetic is in
     ``acc_dtype`` (float64 for float64 inputs, float32 otherwise), one tile at a time.
     """
 
-    def __init__(self, problem: Problem, seqlens_k: Tensor | None, block_m: int, block_n: int, device: torch.device):
+    def __init__(self, problem: Problem, block_m: int, block_n: int, device: torch.device):
         p = problem
         self.p, self.block_m, self.block_n, self.device = p, block_m, block_n, device
         self.acc_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
         self.lse_dtype = self.acc_dtype  # the contract's lse: float64 for float64 inputs, float32 otherwise
-        self.seqlens = None if seqlens_k is None else seqlens_k.to(torch.int64)
+        self.band = key_band(p.causal, p.window)
+        self.seqlens = None if p.seqlens_k is None else p.seqlens_k.to(torch.int64)
         # Read the padding bounds once on the host: the loops below branch on them per tile.
         self.min_seqlen = p.seqlen_k if self.seqlens is None or p.batch == 0 else int(self.seqlens.min())
         self.max_seqlen = p.seqlen_k if self.seqlens is None or p.batch == 0 else int(self.seqlens.max())
+        # ALiBi slopes per query head as [1 or B, Hkv, G, 1, 1], to broadcast over a tile.
+        self.slopes = None
+        if p.alibi_slopes is not None:
+            self.slopes = p.alibi_slopes.to(self.acc_dtype).reshape(-1, p.kv_heads, p.group_size, 1, 1)
 
     def q_view(self, x: Tensor) -> Tensor:
+        """q, o or do ``[B, H, Nq, D or Dv]`` as ``[B, Hkv, G, Nq, D or Dv]``."""
         p = self.p
-        return x.reshape(p.batch, p.kv_heads, p.group_size, p.seqlen_q, p.head_dim)
+        return x.reshape(p.batch, p.kv_heads, p.group_size, p.seqlen_q, x.shape[-1])
 
     def kv_view(self, x: Tensor) -> Tensor:
         return x.unsqueeze(2)
@@ -51,14 +57,32 @@ class TorchTiles:
         return x[..., span, :].to(self.acc_dtype)
 
     def skip(self, m0: int, n0: int) -> bool:
-        """Whether tile (rows m0.., keys n0..) is fully masked, so that it is never loaded."""
-        p, rows = self.p, self.rows(m0)
-        return tile_is_empty(rows.start, rows.stop, n0, p.seqlen_q, p.seqlen_k, p.causal, self.max_seqlen)
+        """Whether tile (rows m0.., keys n0..) is fully masked (causal, window or padding): it is never loaded."""
+        p, rows, cols = self.p, self.rows(m0), self.cols(n0)
+        return tile_is_empty(
+            rows.start, rows.stop, cols.start, cols.stop, p.seqlen_q, p.seqlen_k, self.band, self.max_seqlen
+        )
 
     def scores(self, q_tile: Tensor, k_tile: Tensor, m0: int, n0: int) -> Tensor:
-        """``S = scale * q_tile @ k_tile^T`` with invisible pairs at ``-inf``: ``[B, Hkv, G, rows, cols]``."""
+        """The tile's scores ``[B, Hkv, G, rows, cols]`` as SPEC.md defines them, invisible pairs at ``-inf``."""
+        return self.scores_and_cap_derivative(q_tile, k_tile, m0, n0)[0]
+
+    def scores_and_cap_derivative(
+        self, q_tile: Tensor, k_tile: Tensor, m0: int, n0: int
+    ) -> tuple[Tensor, Tensor | None]:
+        """:meth:`scores` and ``d(softcap * tanh(S / softcap)) / dS = 1 - tanh^2`` (None without a soft cap), in
+        SPEC.md's order: ``S = scale * q k^T``, soft cap, ALiBi ``- slope * |i' - j|``, then the masks."""
         p, rows, cols = self.p, self.rows(m0), self.cols(n0)
         s = (q_tile @ k_tile.transpose(-1, -2)) * p.scale
+        cap_derivative = None
+        if p.softcap:
+            tanh = torch.tanh(s / p.softcap)
+            s = p.softcap * tanh
+            cap_derivative = 1.0 - tanh * tanh
+        if self.slopes is not None:
+            query_pos = torch.arange(rows.start, rows.stop, device=self.device).view(-1, 1) + (p.seqlen_k - p.seqlen_q)
+            key_pos = torch.arange(cols.start, cols.stop, device=self.device).view(1, -1)
+            s = s - self.slopes * (query_pos - key_pos).abs().to(self.acc_dtype)
         mask = tile_visibility(
             torch,
             rows.start,
@@ -67,12 +91,12 @@ class TorchTiles:
             cols.stop,
             p.seqlen_q,
             p.seqlen_k,
-            p.causal,
+            self.band,
             self.seqlens,
             self.min_seqlen,
             self.device,
         )
-        return s if mask is None else s.masked_fill(~mask, float("-inf"))
+        return (s if mask is None else s.masked_fill(~mask, float("-inf"))), cap_derivative
 
     @staticmethod
     def probabilities(s: Tensor, lse_tile: Tensor) -> Tensor:
@@ -84,15 +108,20 @@ class TorchTiles:
         return torch.where(hidden, torch.zeros_like(s), torch.exp(s - lse_safe[..., None]))
 
     @staticmethod
-    def grad_scores(p: Tensor, do_tile: Tensor, v_tile: Tensor, delta_tile: Tensor) -> Tensor:
-        """``dS = P * (dP - Delta)`` with ``dP = dO @ V^T``: the softmax Jacobian applied row by row."""
+    def grad_scores(
+        p: Tensor, do_tile: Tensor, v_tile: Tensor, delta_tile: Tensor, cap_derivative: Tensor | None = None
+    ) -> Tensor:
+        """The gradient of the raw scores ``scale * q k^T``: ``dS = P * (dP - Delta)`` with ``dP = dO @ V^T`` (the
+        softmax Jacobian applied row by row), times the soft cap's derivative when there is one (ALiBi's penalty
+        does not depend on q or k)."""
         dp = do_tile @ v_tile.transpose(-1, -2)
-        return p * (dp - delta_tile[..., None])
+        ds = p * (dp - delta_tile[..., None])
+        return ds if cap_derivative is None else ds * cap_derivative
 
     def finish(self, x5: Tensor) -> Tensor:
-        """``[B, Hkv, G, N, D]`` back to ``[B, H, N, D]``."""
+        """``[B, Hkv, G, N, D or Dv]`` back to ``[B, H, N, D or Dv]``."""
         p = self.p
-        return x5.reshape(p.batch, p.heads, -1, p.head_dim)
+        return x5.reshape(p.batch, p.heads, -1, x5.shape[-1])
 
 
 def online_softmax_update(
@@ -130,7 +159,7 @@ def kv_stationary_backward(
     dv: Tensor,
     dq_accumulator: Tensor | None = None,
 ) -> None:
-    """Per K/V block ``j``, loop over Q blocks ``i``; write ``dK_j`` and ``dV_j`` (``[B, Hkv, Nk, D]``) once.
+    """Per K/V block ``j``, loop over Q blocks ``i``; write ``dK_j`` and ``dV_j`` (``[B, Hkv, Nk, D or Dv]``) once.
 
     ``dV_j = sum_i P_ij^T dO_i`` and ``dK_j = scale * sum_i dS_ij^T Q_i``, summed over the query heads of
     the group (axis 2).  With ``dq_accumulator`` (FA1, Algorithm 4) each visit also read-modify-writes
@@ -141,15 +170,16 @@ def kv_stationary_backward(
         cols = tiles.cols(n0)
         k_tile, v_tile = tiles.load(k5, cols), tiles.load(v5, cols)
         dk_tile = torch.zeros(k_tile.shape[:2] + k_tile.shape[3:], dtype=tiles.acc_dtype, device=k5.device)
-        dv_tile = torch.zeros_like(dk_tile)
+        dv_tile = torch.zeros(v_tile.shape[:2] + v_tile.shape[3:], dtype=tiles.acc_dtype, device=v5.device)
         for m0 in range(0, p.seqlen_q, tiles.block_m):
             if tiles.skip(m0, n0):
                 continue
             rows = tiles.rows(m0)
             q_tile, do_tile = tiles.load(q5, rows), tiles.load(do5, rows)
-            prob = tiles.probabilities(tiles.scores(q_tile, k_tile, m0, n0), lse5[..., rows])
+            s, cap_derivative = tiles.scores_and_cap_derivative(q_tile, k_tile, m0, n0)
+            prob = tiles.probabilities(s, lse5[..., rows])
             dv_tile += (prob.transpose(-1, -2) @ do_tile).sum(dim=2)
-            ds = tiles.grad_scores(prob, do_tile, v_tile, delta5[..., rows])
+            ds = tiles.grad_scores(prob, do_tile, v_tile, delta5[..., rows], cap_derivative)
             if dq_accumulator is not None:
                 dq_accumulator[..., rows, :] += (ds @ k_tile) * p.scale
             dk_tile += (ds.transpose(-1, -2) @ q_tile).sum(dim=2) * p.scale

@@ -25,11 +25,11 @@ Tensor = torch.Tensor
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, tiles: TorchTiles) -> tuple[Tensor, Tensor]:
-    """Returns ``o`` ``[B, H, Nq, D]`` (dtype of q) and ``lse`` ``[B, H, Nq]`` (float64 for float64 inputs, else
+    """Returns ``o`` ``[B, H, Nq, Dv]`` (dtype of q) and ``lse`` ``[B, H, Nq]`` (float64 for float64 inputs, else
     float32)."""
     q5, k5, v5 = tiles.q_view(q), tiles.kv_view(k), tiles.kv_view(v)
     acc_dtype = tiles.acc_dtype
-    o5 = torch.zeros(q5.shape, dtype=acc_dtype, device=q.device)
+    o5 = torch.zeros(q5.shape[:-1] + v5.shape[-1:], dtype=acc_dtype, device=q.device)
     l_all = torch.zeros(q5.shape[:-1], dtype=acc_dtype, device=q.device)
     m_all = torch.full(q5.shape[:-1], float("-inf"), dtype=acc_dtype, device=q.device)
     for n0 in range(0, tiles.p.seqlen_k, tiles.block_n):
@@ -94,9 +94,7 @@ class TorchFA1(Backend):
         self.block_m, self.block_n = block_m, block_n
 
     def _forward(self, q, k, v, problem):
-        return forward(q, k, v, TorchTiles(problem, problem.seqlens_k, self.block_m, self.block_n, q.device))
+        return forward(q, k, v, TorchTiles(problem, self.block_m, self.block_n, q.device))
 
     def _backward(self, do, q, k, v, o, lse, problem):
-        return backward(
-            do, q, k, v, o, lse, TorchTiles(problem, problem.seqlens_k, self.block_m, self.block_n, q.device)
-        )
+        return backward(do, q, k, v, o, lse, TorchTiles(problem, self.block_m, self.block_n, q.device))

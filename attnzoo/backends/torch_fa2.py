@@ -22,17 +22,17 @@ Tensor = torch.Tensor
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, tiles: TorchTiles) -> tuple[Tensor, Tensor]:
-    """Returns ``o`` ``[B, H, Nq, D]`` (dtype of q) and ``lse`` ``[B, H, Nq]`` (float64 for float64 inputs, else
+    """Returns ``o`` ``[B, H, Nq, Dv]`` (dtype of q) and ``lse`` ``[B, H, Nq]`` (float64 for float64 inputs, else
     float32)."""
     q5, k5, v5 = tiles.q_view(q), tiles.kv_view(k), tiles.kv_view(v)
-    o5 = new_output(q5.shape, q.dtype, q.device)
+    o5 = new_output(q5.shape[:-1] + v5.shape[-1:], q.dtype, q.device)
     lse5 = new_output(q5.shape[:-1], tiles.lse_dtype, q.device)
     for m0 in range(0, tiles.p.seqlen_q, tiles.block_m):
         rows = tiles.rows(m0)
         q_tile = tiles.load(q5, rows)
         m_i = torch.full(q_tile.shape[:-1], float("-inf"), dtype=tiles.acc_dtype, device=q.device)
         l_i = torch.zeros_like(m_i)
-        acc = torch.zeros_like(q_tile)
+        acc = torch.zeros(q_tile.shape[:-1] + v5.shape[-1:], dtype=tiles.acc_dtype, device=q.device)
         for n0 in range(0, tiles.p.seqlen_k, tiles.block_n):
             if tiles.skip(m0, n0):
                 continue
@@ -73,8 +73,9 @@ def backward(
                 continue
             cols = tiles.cols(n0)
             k_tile, v_tile = tiles.load(k5, cols), tiles.load(v5, cols)
-            prob = tiles.probabilities(tiles.scores(q_tile, k_tile, m0, n0), lse5[..., rows])
-            ds = tiles.grad_scores(prob, do_tile, v_tile, delta5[..., rows])
+            s, cap_derivative = tiles.scores_and_cap_derivative(q_tile, k_tile, m0, n0)
+            prob = tiles.probabilities(s, lse5[..., rows])
+            ds = tiles.grad_scores(prob, do_tile, v_tile, delta5[..., rows], cap_derivative)
             dq_tile += (ds @ k_tile) * p.scale
         dq5[..., rows, :] = dq_tile.to(q.dtype)
     return tiles.finish(dq5), dk, dv
@@ -96,7 +97,7 @@ class TorchFA2(Backend):
         self.block_m, self.block_n = block_m, block_n
 
     def _tiles(self, q, problem) -> TorchTiles:
-        return TorchTiles(problem, problem.seqlens_k, self.block_m, self.block_n, q.device)
+        return TorchTiles(problem, self.block_m, self.block_n, q.device)
 
     def _forward(self, q, k, v, problem):
         return forward(q, k, v, self._tiles(q, problem))

@@ -10,7 +10,13 @@ imported); that path is for tests only and is never picked by ``backend="auto"``
 from __future__ import annotations
 
 from ..backend import Capabilities, register
-from ._triton_base import TRITON_DTYPES, TRITON_MAX_HEAD_DIM, TritonBackend, kernels, triton_extra_reasons
+from ._triton_base import (
+    TRITON_DTYPES,
+    TRITON_MAX_HEAD_DIM,
+    TritonBackend,
+    kernels,
+    triton_extra_reasons,
+)
 
 
 @register

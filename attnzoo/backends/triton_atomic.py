@@ -17,7 +17,13 @@ from collections.abc import Mapping
 
 from ..backend import Capabilities, register
 from ..kernels.tuning import KernelConfig
-from ._triton_base import TRITON_DTYPES, TRITON_MAX_HEAD_DIM, TritonBackend, kernels, triton_extra_reasons
+from ._triton_base import (
+    TRITON_DTYPES,
+    TRITON_MAX_HEAD_DIM,
+    TritonBackend,
+    kernels,
+    triton_extra_reasons,
+)
 
 DELTA_MODES = ("recompute", "preprocess")
 DEFAULT_DELTA = "preprocess"

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 import attnzoo
-from attnzoo.backends import tile_is_empty
+from attnzoo.backends import key_band, tile_is_empty
 
 Tensor = torch.Tensor
 
@@ -96,13 +96,14 @@ def geometric_skip_ratio(
     backends use to skip a tile, :func:`attnzoo.backends.tile_is_empty`), averaged over the batch.
     """
     lengths = seqlens_k if seqlens_k is not None else [n_k]
+    band = key_band(causal, None)
     total = skipped = 0
     for length in lengths:
         for m0 in range(0, n_q, block_m):
             m1 = min(m0 + block_m, n_q)
             for n0 in range(0, n_k, block_n):
                 total += 1
-                skipped += tile_is_empty(m0, m1, n0, n_q, n_k, causal, length)
+                skipped += tile_is_empty(m0, m1, n0, min(n0 + block_n, n_k), n_q, n_k, band, length)
     return skipped / total if total else 0.0
 
 

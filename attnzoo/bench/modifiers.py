@@ -87,6 +87,24 @@ def _flex_times(flex: Flex, q, k, v, do, block_mask=None, score_mod=None) -> tup
     return fwd, bwd
 
 
+def _softcap_mod(cap: float):
+    """FlexAttention's ``score_mod`` of a logit soft cap."""
+
+    def softcap_mod(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    return softcap_mod
+
+
+def _alibi_mod(slopes: torch.Tensor):
+    """FlexAttention's ``score_mod`` of ALiBi with per-head ``slopes`` (Nq = Nk, so i' = i)."""
+
+    def alibi_mod(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    return alibi_mod
+
+
 def _inputs(batch, heads, n, d, dv, dtype, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
@@ -96,9 +114,10 @@ def _inputs(batch, heads, n, d, dv, dtype, seed=0):
     return randn(batch, heads, n, d), randn(batch, heads, n, d), randn(batch, heads, n, dv), randn(batch, heads, n, dv)
 
 
-def _measure(rows, table, impl, case, times_of):
+def _measure(rows, table, impl, case, times_of, *args, **kwargs):
+    """Time ``times_of(*args, **kwargs)`` -> (forward ms, backward ms) and append the row (with the error, if any)."""
     try:
-        fwd, bwd = times_of()
+        fwd, bwd = times_of(*args, **kwargs)
         status = "ok"
     except Exception as error:  # a row records what happened: unsupported, out of memory, a failure
         fwd = bwd = float("nan")
@@ -124,19 +143,14 @@ def run(args: argparse.Namespace) -> list[dict]:
                 case = dict(dtype=dtype_name, B=batch, H=heads, N=n, D=d, Dv=d, window=window or "",
                             pairs=batch * heads * _visible_pairs(n, window))  # fmt: skip
                 kw = dict(causal=True) if window is None else dict(causal=True, window=(window, 0))
-                _measure(rows, "window", "triton_2kernel", case, lambda kw=kw: _attnzoo_times(q, k, v, do, **kw))
+                _measure(rows, "window", "triton_2kernel", case, _attnzoo_times, q, k, v, do, **kw)
                 mask = Flex.block_mask(n, window, q.device)
-                _measure(rows, "window", "flex_attention", case, lambda m=mask: _flex_times(flex, q, k, v, do, m))
+                _measure(rows, "window", "flex_attention", case, _flex_times, flex, q, k, v, do, mask)
             if n in args.modifier_N:
                 full = Flex.block_mask(n, None, q.device)
                 slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)], device="cuda")
                 cap = 30.0
-
-                def softcap_mod(score, b, h, q_idx, kv_idx):
-                    return cap * torch.tanh(score / cap)
-
-                def alibi_mod(score, b, h, q_idx, kv_idx):
-                    return score - slopes[h] * (q_idx - kv_idx).abs()
+                softcap_mod, alibi_mod = _softcap_mod(cap), _alibi_mod(slopes)
 
                 base = dict(dtype=dtype_name, B=batch, H=heads, N=n, D=d, Dv=d, window="", pairs=0)
                 for table, kw, mod in (
@@ -144,10 +158,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                     ("softcap", dict(softcap=cap), softcap_mod),
                     ("alibi", dict(alibi_slopes=slopes), alibi_mod),
                 ):
-                    _measure(rows, table, "triton_2kernel", base,
-                             lambda kw=kw: _attnzoo_times(q, k, v, do, causal=True, **kw))  # fmt: skip
-                    _measure(rows, table, "flex_attention", base,
-                             lambda mod=mod: _flex_times(flex, q, k, v, do, full, mod))  # fmt: skip
+                    _measure(rows, table, "triton_2kernel", base, _attnzoo_times, q, k, v, do, causal=True, **kw)
+                    _measure(rows, table, "flex_attention", base, _flex_times, flex, q, k, v, do, full, mod)
             del q, k, v, do
             torch.cuda.empty_cache()
         for d, dv in ((128, 128), (192, 128)):
@@ -156,8 +168,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             q, k, v, do = _inputs(batch, heads, n, d, dv, dtype, seed=d)
             case = dict(dtype=dtype_name, B=batch, H=heads, N=n, D=d, Dv=dv, window="", pairs=0)
             for causal in (False, True):
-                _measure(rows, "head_dims" + ("_causal" if causal else ""), "triton_2kernel", case,
-                         lambda c=causal: _attnzoo_times(q, k, v, do, causal=c))  # fmt: skip
+                table = "head_dims" + ("_causal" if causal else "")
+                _measure(rows, table, "triton_2kernel", case, _attnzoo_times, q, k, v, do, causal=causal)
             del q, k, v, do
     return rows
 

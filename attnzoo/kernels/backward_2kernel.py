@@ -26,19 +26,18 @@ from triton.compiler.errors import CompilationError
 from .backward_gluon import attention_dkdv_hopper
 from .common import (
     LOG2E,
+    alibi_slope2,
     as_int64,
     batch_seqlen_k,
     head_pointer,
-    key_visible,
     kv_loop_bounds,
     load_kv_tile,
     load_lse2,
     load_tile,
     q_block_program,
     q_loop_bounds,
-    recompute_p,
+    recompute_tile_p,
     row_delta,
-    softmax_grad_tile,
     store_tile,
     tile_pointers,
 )
@@ -48,36 +47,16 @@ from .launch import KernelVariant, PreparedCall, grid_1d, int32_addressable, num
 
 @triton.jit
 def _dkdv_stage(
-    dk,
-    dv,
-    visited,
-    k_tile,
-    v_tile,
-    q_head,
-    do_head,
-    lse2_row_ptr,
-    delta_row_ptr,
-    stride_qm,
-    stride_qd,
-    stride_dom,
-    stride_dod,
-    keys,
-    lo,
-    hi,
-    seqlen_q,
-    diagonal_offset,
-    seqlen_k_b,
-    qk_scale,
-    head_dim,
-    EVEN_D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    MASKED: tl.constexpr,
-    Q_TAIL: tl.constexpr,
+    dk, dv, visited, k_tile, v_tile, q_head, do_head, lse2_row_ptr, delta_row_ptr,
+    stride_qm, stride_qd, stride_dom, stride_dod, keys, lo, hi, seqlen_q, diagonal_offset, seqlen_k_b, qk_scale,
+    head_dim, head_dim_v, band, modifiers,
+    EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr, Q_TAIL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-):
-    """Accumulate dK, dV ``[BLOCK_N, D]`` of the resident K/V block over the Q tiles ``[lo, hi)`` of one head.
+):  # fmt: skip
+    """Accumulate dK ``[BLOCK_N, D]``, dV ``[BLOCK_N, Dv]`` of the resident K/V block over the Q tiles ``[lo, hi)`` of
+    one head.
 
     Works on transposed tiles (``S^T = K Q^T``, ``[BLOCK_N, BLOCK_M]``) so that P^T and dS^T come out of the
     dots already in the layout of the left operand of ``P^T dO`` and ``dS^T Q``.
@@ -89,6 +68,7 @@ def _dkdv_stage(
     """
     local_m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
+    cols_v = tl.arange(0, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + local_m
         q_tile = load_tile(
@@ -96,8 +76,8 @@ def _dkdv_stage(
             head_dim, EVEN_D, Q_TAIL,
         )  # fmt: skip
         do_tile = load_tile(
-            tile_pointers(do_head, start_m, local_m, cols, stride_dom, stride_dod), rows, seqlen_q, cols,
-            head_dim, EVEN_D, Q_TAIL,
+            tile_pointers(do_head, start_m, local_m, cols_v, stride_dom, stride_dod), rows, seqlen_q, cols_v,
+            head_dim_v, EVEN_DV, Q_TAIL,
         )  # fmt: skip
         # lse2 arrives in base 2 with the empty-row rule applied (the dQ kernel wrote it): a plain load, no
         # per-tile conversion.  Padding rows get lse2 = +inf, so their P is 0.
@@ -109,83 +89,60 @@ def _dkdv_stage(
             delta = tl.load(delta_row_ptr + rows)
         scores_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PRECISION)
         dp_t = tl.dot(v_tile, tl.trans(do_tile), input_precision=DOT_PRECISION)
-        visible = None
-        if MASKED:
-            visible = key_visible(rows[None, :], keys[:, None], diagonal_offset, seqlen_k_b, CAUSAL)
-        p_t = recompute_p(scores_t, lse2[None, :], qk_scale, visible, MASKED)
+        p_t, dcap = recompute_tile_p(
+            scores_t, lse2[None, :], qk_scale, rows[None, :], keys[:, None], diagonal_offset, seqlen_k_b, band,
+            modifiers, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, MASKED,
+        )  # fmt: skip
         # dV's product is issued before dS is formed, so the tensor cores run it during dS's arithmetic (the
         # products whose results the loop consumes right away, S^T and dP^T, are waited for at once).
         dv = tl.dot(p_t.to(do_tile.dtype), do_tile, dv, input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            ds_t = ds_t * dcap
         dk = tl.dot(ds_t.to(q_tile.dtype), q_tile, dk, input_precision=DOT_PRECISION)
         visited += 1
     return dk, dv, visited
 
 
 # Sizes vary per call: no per-value specialisation (one compiled kernel per tile shape, dtype and flags).
-@triton.jit(
-    do_not_specialize=["head_dim", "num_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "num_n_blocks"]
-)
+@triton.jit(do_not_specialize=[
+    "head_dim", "num_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "num_n_blocks", "head_dim_v",
+    "window_left", "window_right", "stride_alibi_b", "stride_alibi_h",
+])  # fmt: skip
 def dkdv_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    do_ptr,
-    lse2_ptr,
-    delta_ptr,
-    dk_ptr,
-    dv_ptr,
-    seqlens_ptr,
-    counts_ptr,
-    stride_qb,
-    stride_qh,
-    stride_qm,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_vd,
-    stride_dob,
-    stride_doh,
-    stride_dom,
-    stride_dod,
-    stride_dkb,
-    stride_dkh,
-    stride_dkn,
-    stride_dkd,
-    num_heads,
-    num_kv_heads,
-    group_size,
-    seqlen_q,
-    seqlen_k,
-    num_n_blocks,
-    sm_scale,
-    qk_scale,
-    head_dim,
-    EVEN_D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr,
-    Q_TAIL: tl.constexpr,
-    MASK_STAGE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    DEBUG: tl.constexpr,
-):
+    q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlens_ptr, counts_ptr,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    num_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, num_n_blocks, sm_scale, qk_scale, head_dim,
+    head_dim_v, window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_DV: tl.constexpr, DV_IS_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    Q_TAIL: tl.constexpr, MASK_STAGE: tl.constexpr, DOT_PRECISION: tl.constexpr, DEBUG: tl.constexpr,
+):  # fmt: skip
     """dK, dV of one K/V block of one (batch, kv head); grid: 1-d, num_n_blocks * B * Hkv programs.
 
     For grouped-query attention the program also loops over the ``group_size`` query heads that read this
-    K/V head, summing their contributions in registers.  dk and dv share strides (both allocated contiguous).
+    K/V head, summing their contributions in registers.
     Q_TAIL: ``seqlen_q`` is not a multiple of BLOCK_M (the streamed Q-side loads need row predicates).
-    MASK_STAGE: some tile may need the mask (``PreparedCall.mask_stage_needed``); without it the masked loop is not
-    compiled at all.
+    Up to three stages over the Q tiles (``common.q_loop_bounds``): the tiles on the right edge (causal diagonal,
+    window's right bound) or all of them for a block cut by ``seqlens_k`` (MASK_STAGE: some tile may need the mask,
+    ``PreparedCall.mask_stage_needed``), the unmasked ones, and the tiles cut by the window's left edge
+    (WINDOW_LEFT); a stage that cannot run is not compiled.
+    v, do and dv have their own head dim (``head_dim_v``, tile BLOCK_DV); DV_IS_D: it is q's, and dv takes dk's
+    strides (both allocated contiguous, so their column strides are both 1), so a call without its own Dv compiles
+    as before.
     DEBUG writes (visited, skipped) Q tile counts, summed over the group.
     """
+    if DV_IS_D:
+        head_dim_v = head_dim
+        stride_dvb = stride_dkb
+        stride_dvh = stride_dkh
+        stride_dvn = stride_dkn
     pid = tl.program_id(0)
     bh_kv = pid // num_n_blocks
     n_block = pid % num_n_blocks
@@ -197,6 +154,7 @@ def dkdv_kernel(
     local_n = tl.arange(0, BLOCK_N)
     keys = start_n + local_n
     cols = tl.arange(0, BLOCK_D)
+    cols_v = tl.arange(0, BLOCK_DV)
     k_head = head_pointer(k_ptr, batch, kv_head, stride_kb, stride_kh)
     v_head = head_pointer(v_ptr, batch, kv_head, stride_vb, stride_vh)
     k_tile = load_tile(
@@ -204,34 +162,48 @@ def dkdv_kernel(
         head_dim, EVEN_D, True,
     )  # fmt: skip
     v_tile = load_tile(
-        tile_pointers(v_head, start_n, local_n, cols, stride_vn, stride_vd), keys, seqlen_k_b, cols,
-        head_dim, EVEN_D, True,
+        tile_pointers(v_head, start_n, local_n, cols_v, stride_vn, stride_vd), keys, seqlen_k_b, cols_v,
+        head_dim_v, EVEN_DV, True,
     )  # fmt: skip
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     visited = tl.zeros([], tl.int32)
-    lo, unmasked_lo, hi = q_loop_bounds(start_n, seqlen_q, seqlen_k, seqlen_k_b, CAUSAL, BLOCK_M, BLOCK_N)
+    lo, unmasked_lo, unmasked_hi, hi = q_loop_bounds(
+        start_n, seqlen_q, seqlen_k, seqlen_k_b, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
+        BLOCK_M, BLOCK_N,
+    )  # fmt: skip
     diagonal_offset = seqlen_k - seqlen_q
+    band = (window_left, window_right)
     for g in range(0, group_size):
         head = kv_head * group_size + g
         q_head = head_pointer(q_ptr, batch, head, stride_qb, stride_qh)
         do_head = head_pointer(do_ptr, batch, head, stride_dob, stride_doh)
         row_offset = (batch * num_heads + head).to(tl.int64) * seqlen_q
+        modifiers = (cap_in, cap_out, alibi_slope2(alibi_ptr, batch, head, stride_alibi_b, stride_alibi_h, ALIBI))
         if MASK_STAGE:
             dk, dv, visited = _dkdv_stage(
                 dk, dv, visited, k_tile, v_tile, q_head, do_head, lse2_ptr + row_offset, delta_ptr + row_offset,
                 stride_qm, stride_qd, stride_dom, stride_dod, keys, lo, unmasked_lo, seqlen_q, diagonal_offset,
-                seqlen_k_b, qk_scale, head_dim, EVEN_D, BLOCK_D, BLOCK_M, CAUSAL, True, Q_TAIL, DOT_PRECISION,
+                seqlen_k_b, qk_scale, head_dim, head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV,
+                BLOCK_M, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, True, Q_TAIL, DOT_PRECISION,
             )  # fmt: skip
         dk, dv, visited = _dkdv_stage(
             dk, dv, visited, k_tile, v_tile, q_head, do_head, lse2_ptr + row_offset, delta_ptr + row_offset,
-            stride_qm, stride_qd, stride_dom, stride_dod, keys, unmasked_lo, hi, seqlen_q, diagonal_offset,
-            seqlen_k_b, qk_scale, head_dim, EVEN_D, BLOCK_D, BLOCK_M, CAUSAL, False, Q_TAIL, DOT_PRECISION,
+            stride_qm, stride_qd, stride_dom, stride_dod, keys, unmasked_lo, unmasked_hi, seqlen_q, diagonal_offset,
+            seqlen_k_b, qk_scale, head_dim, head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV,
+            BLOCK_M, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, False, Q_TAIL, DOT_PRECISION,
         )  # fmt: skip
+        if WINDOW_LEFT:
+            dk, dv, visited = _dkdv_stage(
+                dk, dv, visited, k_tile, v_tile, q_head, do_head, lse2_ptr + row_offset, delta_ptr + row_offset,
+                stride_qm, stride_qd, stride_dom, stride_dod, keys, unmasked_hi, hi, seqlen_q, diagonal_offset,
+                seqlen_k_b, qk_scale, head_dim, head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV,
+                BLOCK_M, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, True, Q_TAIL, DOT_PRECISION,
+            )  # fmt: skip
 
     dk_head = head_pointer(dk_ptr, batch, kv_head, stride_dkb, stride_dkh)
-    dv_head = head_pointer(dv_ptr, batch, kv_head, stride_dkb, stride_dkh)
+    dv_head = head_pointer(dv_ptr, batch, kv_head, stride_dvb, stride_dvh)
     dk = dk * sm_scale
     store_tile(
         tile_pointers(dk_head, start_n, local_n, cols, stride_dkn, stride_dkd),
@@ -243,13 +215,13 @@ def dkdv_kernel(
         EVEN_D,
     )
     store_tile(
-        tile_pointers(dv_head, start_n, local_n, cols, stride_dkn, stride_dkd),
+        tile_pointers(dv_head, start_n, local_n, cols_v, stride_dvn, stride_dvd),
         dv.to(dv_ptr.dtype.element_ty),
         keys,
         seqlen_k,
-        cols,
-        head_dim,
-        EVEN_D,
+        cols_v,
+        head_dim_v,
+        EVEN_DV,
     )
     if DEBUG:
         total = tl.cdiv(seqlen_q, BLOCK_M) * group_size
@@ -259,43 +231,21 @@ def dkdv_kernel(
 
 @triton.jit
 def _dq_stage(
-    dq,
-    visited,
-    q_tile,
-    do_tile,
-    lse2,
-    delta,
-    k_head,
-    v_head,
-    k_desc,
-    v_desc,
-    batch,
-    kv_head,
-    stride_kn,
-    stride_kd,
-    stride_vn,
-    stride_vd,
-    rows,
-    lo,
-    hi,
-    diagonal_offset,
-    seqlen_k_b,
-    qk_scale,
-    head_dim,
-    EVEN_D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    MASKED: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, k_desc, v_desc, batch, kv_head,
+    stride_kn, stride_kd, stride_vn, stride_vd, rows, lo, hi, diagonal_offset, seqlen_k_b, qk_scale,
+    head_dim, head_dim_v, band, modifiers,
+    EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-):
+):  # fmt: skip
     """Accumulate (unscaled) dQ ``[BLOCK_M, D]`` of the resident Q block over the K/V tiles ``[lo, hi)``.
 
     USE_TMA: load K/V through the descriptors ``k_desc``/``v_desc`` (``common.load_kv_tile``); unmasked tiles only.
     """
     local_n = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
+    cols_v = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + local_n
         k_tile = load_kv_tile(
@@ -303,84 +253,52 @@ def _dq_stage(
             EVEN_D, MASKED, USE_TMA, BLOCK_N, BLOCK_D,
         )  # fmt: skip
         v_tile = load_kv_tile(
-            v_head, v_desc, batch, kv_head, start_n, local_n, cols, stride_vn, stride_vd, seqlen_k_b, head_dim,
-            EVEN_D, MASKED, USE_TMA, BLOCK_N, BLOCK_D,
+            v_head, v_desc, batch, kv_head, start_n, local_n, cols_v, stride_vn, stride_vd, seqlen_k_b, head_dim_v,
+            EVEN_DV, MASKED, USE_TMA, BLOCK_N, BLOCK_DV,
         )  # fmt: skip
         scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
         dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=DOT_PRECISION)
-        visible = None
-        if MASKED:
-            visible = key_visible(rows[:, None], keys[None, :], diagonal_offset, seqlen_k_b, CAUSAL)
-        _p, ds = softmax_grad_tile(scores, dp, lse2[:, None], delta[:, None], qk_scale, visible, MASKED)
+        p, dcap = recompute_tile_p(
+            scores, lse2[:, None], qk_scale, rows[:, None], keys[None, :], diagonal_offset, seqlen_k_b, band,
+            modifiers, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, MASKED,
+        )  # fmt: skip
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * dcap
         dq = tl.dot(ds.to(k_tile.dtype), k_tile, dq, input_precision=DOT_PRECISION)
         visited += 1
     return dq, visited
 
 
 # Sizes vary per call: no per-value specialisation (one compiled kernel per tile shape, dtype and flags).
-@triton.jit(do_not_specialize=["head_dim", "num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks"])
+@triton.jit(do_not_specialize=[
+    "head_dim", "num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks", "head_dim_v", "window_left",
+    "window_right", "stride_alibi_b", "stride_alibi_h",
+])  # fmt: skip
 def dq_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    k_desc,
-    v_desc,
-    o_ptr,
-    do_ptr,
-    lse_ptr,
-    lse2_ptr,
-    delta_ptr,
-    dq_ptr,
-    seqlens_ptr,
-    counts_ptr,
-    stride_qb,
-    stride_qh,
-    stride_qm,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_vd,
-    stride_ob,
-    stride_oh,
-    stride_om,
-    stride_od,
-    stride_dob,
-    stride_doh,
-    stride_dom,
-    stride_dod,
-    stride_dqb,
-    stride_dqh,
-    stride_dqm,
-    stride_dqd,
-    num_heads,
-    group_size,
-    seqlen_q,
-    seqlen_k,
-    num_m_blocks,
-    sm_scale,
-    qk_scale,
-    head_dim,
-    EVEN_D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr,
-    MASK_STAGE: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    DEBUG: tl.constexpr,
-):
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, o_ptr, do_ptr, lse_ptr, lse2_ptr, delta_ptr, dq_ptr, seqlens_ptr, counts_ptr,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    num_heads, group_size, seqlen_q, seqlen_k, num_m_blocks, sm_scale, qk_scale, head_dim,
+    head_dim_v, window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h,
+    EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_DV: tl.constexpr, DV_IS_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    MASK_STAGE: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, DEBUG: tl.constexpr,
+):  # fmt: skip
     """dQ (and Delta, lse2) of one Q block of one (batch, head); grid: 1-d, num_m_blocks * B * H programs.
 
-    MASK_STAGE: some tile may need the mask (``PreparedCall.mask_stage_needed``).
+    The K/V stages are the forward's (``common.kv_loop_bounds``): the window's left edge (WINDOW_LEFT), the unmasked
+    tiles, the right edge or padding (MASK_STAGE).  o and do have v's head dim (``head_dim_v``, tile BLOCK_DV; DV_IS_D:
+    q's, read from ``head_dim``).
     USE_TMA: the unmasked stage loads K/V through the descriptors ``k_desc``/``v_desc`` (box ``[BLOCK_N, BLOCK_D]``).
     """
+    if DV_IS_D:
+        head_dim_v = head_dim
     pid = tl.program_id(0)
     bh, m_block, batch, head, kv_head = q_block_program(pid, num_m_blocks, num_heads, group_size, CAUSAL)
     start_m = m_block * BLOCK_M
@@ -389,6 +307,7 @@ def dq_kernel(
     local_m = tl.arange(0, BLOCK_M)
     rows = start_m + local_m
     cols = tl.arange(0, BLOCK_D)
+    cols_v = tl.arange(0, BLOCK_DV)
     q_head = head_pointer(q_ptr, batch, head, stride_qb, stride_qh)
     do_head = head_pointer(do_ptr, batch, head, stride_dob, stride_doh)
     k_head = head_pointer(k_ptr, batch, kv_head, stride_kb, stride_kh)
@@ -398,15 +317,15 @@ def dq_kernel(
         head_dim, EVEN_D, True,
     )  # fmt: skip
     do_tile = load_tile(
-        tile_pointers(do_head, start_m, local_m, cols, stride_dom, stride_dod), rows, seqlen_q, cols,
-        head_dim, EVEN_D, True,
+        tile_pointers(do_head, start_m, local_m, cols_v, stride_dom, stride_dod), rows, seqlen_q, cols_v,
+        head_dim_v, EVEN_DV, True,
     )  # fmt: skip
-    # Delta_i = rowsum(dO_i * O_i), from the dO tile already resident: one more [BLOCK_M, D] load per program
+    # Delta_i = rowsum(dO_i * O_i), from the dO tile already resident: one more [BLOCK_M, Dv] load per program
     # instead of a separate pass over O and dO.  Stored for the dK/dV kernel, which runs after this one.
     o_head = head_pointer(o_ptr, batch, head, stride_ob, stride_oh)
     o_tile = load_tile(
-        tile_pointers(o_head, start_m, local_m, cols, stride_om, stride_od), rows, seqlen_q, cols,
-        head_dim, EVEN_D, True,
+        tile_pointers(o_head, start_m, local_m, cols_v, stride_om, stride_od), rows, seqlen_q, cols_v,
+        head_dim_v, EVEN_DV, True,
     )  # fmt: skip
     delta = row_delta(o_tile, do_tile)
     row_offset = as_int64(bh) * seqlen_q
@@ -416,18 +335,32 @@ def dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     visited = tl.zeros([], tl.int32)
-    unmasked_end, end = kv_loop_bounds(start_m, seqlen_q, seqlen_k, seqlen_k_b, CAUSAL, BLOCK_M, BLOCK_N)
+    start, unmasked_start, unmasked_end, end = kv_loop_bounds(
+        start_m, seqlen_q, seqlen_k, seqlen_k_b, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
+        BLOCK_M, BLOCK_N,
+    )  # fmt: skip
     diagonal_offset = seqlen_k - seqlen_q
+    band = (window_left, window_right)
+    modifiers = (cap_in, cap_out, alibi_slope2(alibi_ptr, batch, head, stride_alibi_b, stride_alibi_h, ALIBI))
+    if WINDOW_LEFT:
+        dq, visited = _dq_stage(
+            dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, k_desc, v_desc, batch, kv_head,
+            stride_kn, stride_kd, stride_vn, stride_vd, rows, start, unmasked_start, diagonal_offset, seqlen_k_b,
+            qk_scale, head_dim, head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N,
+            CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, True, False, DOT_PRECISION,
+        )  # fmt: skip
     dq, visited = _dq_stage(
         dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, k_desc, v_desc, batch, kv_head,
-        stride_kn, stride_kd, stride_vn, stride_vd, rows, 0, unmasked_end, diagonal_offset, seqlen_k_b, qk_scale,
-        head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, False, USE_TMA, DOT_PRECISION,
+        stride_kn, stride_kd, stride_vn, stride_vd, rows, unmasked_start, unmasked_end, diagonal_offset, seqlen_k_b,
+        qk_scale, head_dim, head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N,
+        CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, False, USE_TMA, DOT_PRECISION,
     )  # fmt: skip
     if MASK_STAGE:
         dq, visited = _dq_stage(
             dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, k_desc, v_desc, batch, kv_head,
-            stride_kn, stride_kd, stride_vn, stride_vd, rows, unmasked_end, end, diagonal_offset, seqlen_k_b, qk_scale,
-            head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, True, False, DOT_PRECISION,
+            stride_kn, stride_kd, stride_vn, stride_vd, rows, unmasked_end, end, diagonal_offset, seqlen_k_b,
+            qk_scale, head_dim, head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N,
+            CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, True, False, DOT_PRECISION,
         )  # fmt: skip
     dq_head = head_pointer(dq_ptr, batch, head, stride_dqb, stride_dqh)
     store_tile(
@@ -449,10 +382,11 @@ def dq_kernel(
 def attention_backward_2kernel(
     call: PreparedCall, do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq ``[B, H, Nq, D]``, dk, dv ``[B, Hkv, Nk, D]`` (dtype of q; dk/dv summed over each head group)."""
+    """dq ``[B, H, Nq, D]``, dk ``[B, Hkv, Nk, D]``, dv ``[B, Hkv, Nk, Dv]`` (dtype of q; dk/dv summed over each head
+    group); ``do``, ``o``: ``[B, H, Nq, Dv]``."""
     q, k, v = call.q, call.k, call.v
     B, H, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     lse = lse.contiguous()
     do, o = int32_addressable(do), int32_addressable(o)
     # Per-row statistics for the dK/dV kernel, written by the dQ kernel: lse in base 2, and Delta.
@@ -460,15 +394,16 @@ def attention_backward_2kernel(
     delta = call.new_output((B, H, Nq), torch.float32)
     dq = call.new_output((B, H, Nq, D), q.dtype)
     dk = call.new_output((B, Hkv, Nk, D), q.dtype)
-    dv = call.new_output((B, Hkv, Nk, D), q.dtype)
+    dv = call.new_output((B, Hkv, Nk, Dv), q.dtype)
     qk_scale = call.scale * LOG2E
     hopper_dkdv = not call.gluon_reasons(KernelVariant.DKDV, do)
+    modifiers = call.modifiers
 
     def launch_dkdv(cfg) -> None:
         if cfg.gluon and hopper_dkdv:
             try:
                 attention_dkdv_hopper(
-                    q, k, v, do, lse2, delta, dk, dv, call.scale, call.causal,
+                    q, k, v, do, lse2, delta, dk, dv, call.scale, call.causal, modifiers,
                     cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
                 )  # fmt: skip
                 return
@@ -479,11 +414,11 @@ def attention_backward_2kernel(
         dkdv_kernel[grid_1d(programs)](
             q, k, v, do, lse2, delta, dk, dv, call.seqlens, call.counts_for(KernelVariant.DKDV, programs),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
-            H, Hkv, call.group_size, Nq, Nk, num_n_blocks, call.scale, qk_scale,
-            head_dim=D, EVEN_D=call.even_d, BLOCK_D=call.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            H, Hkv, call.group_size, Nq, Nk, num_n_blocks, call.scale, qk_scale, D, *modifiers.args, *dv.stride(),
+            EVEN_D=call.even_d, BLOCK_D=call.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=call.causal, HAS_SEQLENS=call.has_seqlens, Q_TAIL=Nq % cfg.block_m != 0,
-            MASK_STAGE=call.mask_stage_needed(cfg.block_n),
-            DOT_PRECISION=call.dot_precision, DEBUG=call.debug, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            MASK_STAGE=call.mask_stage_needed(cfg.block_n), DOT_PRECISION=call.dot_precision, DEBUG=call.debug,
+            **modifiers.flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
     def launch_dq(cfg) -> None:
@@ -494,10 +429,10 @@ def attention_backward_2kernel(
             q, k, v, k_desc, v_desc, o, do, lse, lse2, delta, dq, call.seqlens,
             call.counts_for(KernelVariant.DQ, programs),
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(),
-            H, call.group_size, Nq, Nk, num_m_blocks, call.scale, qk_scale,
-            head_dim=D, EVEN_D=call.even_d, BLOCK_D=call.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            H, call.group_size, Nq, Nk, num_m_blocks, call.scale, qk_scale, D, *modifiers.args,
+            EVEN_D=call.even_d, BLOCK_D=call.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=call.causal, HAS_SEQLENS=call.has_seqlens, MASK_STAGE=call.mask_stage_needed(cfg.block_n),
-            USE_TMA=use_tma, DOT_PRECISION=call.dot_precision, DEBUG=call.debug,
+            USE_TMA=use_tma, DOT_PRECISION=call.dot_precision, DEBUG=call.debug, **modifiers.flags,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 

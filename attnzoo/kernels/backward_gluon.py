@@ -35,6 +35,8 @@ must be 0.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .common import LOG2E, q_loop_bounds
@@ -53,6 +55,9 @@ from .gluon_hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+if TYPE_CHECKING:
+    from .launch import ScoreModifiers
 
 if gluon is not None:
 
@@ -128,7 +133,10 @@ if gluon is not None:
         # block's keys.  The same range for every head of the group.  Keys past Nk need no mask here (their dK/dV
         # rows are dropped by the store, and a row of dK or dV depends on its own key only), so the bounds are those
         # of a whole block: its end is passed as the key count.
-        lo, unmasked_lo, hi = q_loop_bounds(start_n, seqlen_q, seqlen_k, start_n + BLOCK_N, CAUSAL, BLOCK_M, BLOCK_N)
+        # No window here (the scope sends windowed calls to backward_2kernel.py): no third stage.
+        lo, unmasked_lo, _unmasked_hi, hi = q_loop_bounds(
+            start_n, seqlen_q, seqlen_k, start_n + BLOCK_N, 0, 0, CAUSAL, False, False, BLOCK_M, BLOCK_N
+        )
         tiles_per_head = (hi - lo) // BLOCK_M
         n_iters = tiles_per_head * group_size
         diagonal_offset = seqlen_k - seqlen_q
@@ -225,6 +233,7 @@ def attention_dkdv_hopper(
     dv: torch.Tensor,
     scale: float,
     causal: bool,
+    modifiers: ScoreModifiers,
     block_m: int = 64,
     block_n: int = 128,
     num_warps: int = 8,

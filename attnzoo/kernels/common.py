@@ -5,8 +5,14 @@ Conventions used by every kernel:
 - Scores are kept in base-2 units: ``s2 = (q . k) * scale * log2(e)``, so that ``exp(s - m)`` becomes
   ``exp2(s2 - m2)`` (one MUFU.EX2 instruction, no extra multiply).  The saved ``lse`` is natural-log; kernels
   convert it with one multiply per row (``lse2 = lse * log2(e)``).
-- Mask convention: causal is bottom-right aligned, row ``i`` sees key ``j`` iff ``j <= i + (Nk - Nq)``;
-  ``seqlens_k[b]`` hides keys ``j >= seqlens_k[b]``.
+- Mask convention (SPEC.md), with ``i' = i + (Nk - Nq)``: causal is bottom-right aligned, row ``i`` sees key ``j``
+  iff ``j <= i'``; a window ``(left, right)`` keeps ``i' - left <= j <= i' + right``; ``seqlens_k[b]`` hides keys
+  ``j >= seqlens_k[b]``.  Causal and the window are one band of diagonals ``-left <= j - i' <= right`` (causal caps
+  ``right`` at 0).  The host passes a bounded side as a runtime int with a constexpr flag (WINDOW_LEFT,
+  WINDOW_RIGHT), so that calls without a window compile exactly as before; WINDOW_RIGHT is set only for a right
+  bound that causal does not already imply (``right < 0`` with causal).
+- Score modifiers, in SPEC.md's order after the scale: the soft cap (``softcap_scores``), ALiBi (``alibi_scores``),
+  then the masks.  Each is a constexpr flag (SOFTCAP, ALIBI): without it no code is emitted.
 - Batch/head offsets are int64 (a tensor may have more than 2^31 elements); offsets inside a tile are int32
   relative to a per-tile int64 base; they stay below 2^31 because the host copies a view whose row stride is
   too large for that to contiguous memory first (`launch.int32_addressable`).
@@ -107,14 +113,22 @@ def store_tile(ptrs, value, rows, row_limit, cols, head_dim, EVEN_D: tl.constexp
 
 
 @triton.jit
-def key_visible(q_idx, k_idx, diagonal_offset, seqlen_k_b, CAUSAL: tl.constexpr):
+def key_visible(
+    q_idx, k_idx, diagonal_offset, seqlen_k_b, window_left, window_right,
+    CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+):  # fmt: skip
     """Whether query row ``q_idx`` sees key ``k_idx`` (broadcast: pass ``[M, 1]`` and ``[1, N]`` or transposed).
 
-    ``diagonal_offset = Nk - Nq`` (bottom-right causal alignment).
+    ``diagonal_offset = Nk - Nq`` (bottom-right alignment); ``window_left``/``window_right`` are read only with their
+    flags.
     """
     visible = k_idx < seqlen_k_b
     if CAUSAL:
         visible = visible & (k_idx <= q_idx + diagonal_offset)
+    if WINDOW_RIGHT:
+        visible = visible & (k_idx <= q_idx + (diagonal_offset + window_right))
+    if WINDOW_LEFT:
+        visible = visible & (k_idx >= q_idx + (diagonal_offset - window_left))
     return visible
 
 
@@ -146,58 +160,97 @@ def q_block_program(pid, num_m_blocks, num_heads, group_size, CAUSAL: tl.constex
 
 
 @triton.jit
-def kv_loop_bounds(
-    start_m,
-    seqlen_q,
-    seqlen_k,
-    seqlen_k_b,
-    CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Key ranges for a Q-stationary program whose rows start at ``start_m`` -> ``(unmasked_end, end)``.
+def band_is_empty(window_left, window_right, WINDOW_RIGHT: tl.constexpr):
+    """Whether the band ``-left <= j - i' <= right`` holds no diagonal (``left + right < 0``): no row sees any key.
 
-    ``[0, unmasked_end)`` is a whole number of K/V tiles that every row of the block sees entirely (no mask
-    arithmetic needed); ``[unmasked_end, end)`` holds the diagonal/padding tiles that need the mask; tiles
-    from ``end`` on are hidden from every real row and are never loaded (block early exit).
+    For a bounded left side and a bounded right one: ``window_right`` with WINDOW_RIGHT, else causal's 0.
+    """
+    if WINDOW_RIGHT:
+        empty = window_left + window_right < 0
+    else:
+        empty = window_left < 0
+    return empty
+
+
+@triton.jit
+def kv_loop_bounds(
+    start_m, seqlen_q, seqlen_k, seqlen_k_b, window_left, window_right,
+    CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Key ranges of a Q-stationary program whose rows start at ``start_m`` ->
+    ``(start, unmasked_start, unmasked_end, end)``.
+
+    ``[unmasked_start, unmasked_end)`` is a whole number of K/V tiles that every real row of the block sees entirely
+    (no mask arithmetic); ``[start, unmasked_start)`` holds the tiles cut by the window's left edge and
+    ``[unmasked_end, end)`` those cut by the right edge (the causal diagonal) or by the padding: both need the mask.
+    Tiles outside ``[start, end)`` are hidden from every real row and never loaded.  Without WINDOW_LEFT, ``start`` and
+    ``unmasked_start`` are 0 (the stage before the unmasked one is not compiled).
+
+    The keys some real row of the block sees form one interval, ``[first' - left, last' + right]`` (consecutive rows
+    shift the band by one key), so every tile of ``[start, end)`` is visited for a reason: the debug counts are exact.
     """
     diagonal_offset = seqlen_k - seqlen_q
-    if CAUSAL:
-        # The last real row of the block sees keys j <= last_row + offset; the first row j <= start_m + offset.
-        last_row = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
-        end = tl.minimum(seqlen_k_b, last_row + 1 + diagonal_offset)
-        unmasked_end = tl.minimum(seqlen_k_b, start_m + 1 + diagonal_offset)
+    last_row = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
+    if CAUSAL or WINDOW_RIGHT:
+        # The last real row of the block sees keys j <= last_row + offset + right; the first row
+        # j <= start_m + offset + right (right = 0 for causal alone).
+        if WINDOW_RIGHT:
+            right_diagonal = diagonal_offset + window_right
+        else:
+            right_diagonal = diagonal_offset
+        end = tl.minimum(seqlen_k_b, last_row + 1 + right_diagonal)
+        unmasked_end = tl.minimum(seqlen_k_b, start_m + 1 + right_diagonal)
     else:
         end = seqlen_k_b
         unmasked_end = seqlen_k_b
     end = tl.maximum(end, 0)
     unmasked_end = (tl.maximum(unmasked_end, 0) // BLOCK_N) * BLOCK_N
-    return unmasked_end, end
+    start = 0
+    unmasked_start = 0
+    if WINDOW_LEFT:
+        # The first row sees keys j >= start_m + offset - left, the last real row j >= last_row + offset - left.
+        left_diagonal = diagonal_offset - window_left
+        first_key = tl.maximum(start_m + left_diagonal, 0)
+        start = (first_key // BLOCK_N) * BLOCK_N
+        unmasked_start = tl.cdiv(tl.maximum(last_row + left_diagonal, 0), BLOCK_N) * BLOCK_N
+        # No key from first_key on is seen (the right bound or seqlens_k ends before it): nothing, not even the
+        # tile that start rounds down to.
+        end = tl.where(end > first_key, end, start)
+        if CAUSAL or WINDOW_RIGHT:
+            end = tl.where(band_is_empty(window_left, window_right, WINDOW_RIGHT), start, end)
+        unmasked_end = tl.minimum(tl.maximum(unmasked_end, start), end)
+        # A window narrower than the tiles may leave no tile unmasked: then all of [start, end) is masked.
+        unmasked_start = tl.minimum(unmasked_start, unmasked_end)
+    return start, unmasked_start, unmasked_end, end
 
 
 @triton.jit
 def q_loop_bounds(
-    start_n,
-    seqlen_q,
-    seqlen_k,
-    seqlen_k_b,
-    CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Query-row ranges for a K/V-stationary program whose keys start at ``start_n`` -> ``(lo, unmasked_lo, hi)``.
+    start_n, seqlen_q, seqlen_k, seqlen_k_b, window_left, window_right,
+    CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Query-row ranges of a K/V-stationary program whose keys start at ``start_n`` ->
+    ``(lo, unmasked_lo, unmasked_hi, hi)``.
 
-    Q tiles ``[lo, unmasked_lo)`` need the mask (diagonal tiles, or all tiles when the key block reaches past
-    ``seqlen_k_b``); ``[unmasked_lo, hi)`` see every key of the block.  Rows before ``lo`` see none of its keys
-    and are never loaded; ``lo == hi`` when the block lies wholly past ``seqlen_k_b``.
+    Q tiles ``[unmasked_lo, unmasked_hi)`` see every key of the block; ``[lo, unmasked_lo)`` need the mask (the causal
+    diagonal or the window's right edge, or all tiles when the key block reaches past ``seqlen_k_b``), and so do
+    ``[unmasked_hi, hi)`` (later rows that the window's left edge cuts off from the block's first keys).  Rows outside
+    ``[lo, hi)`` see none of its keys and are never loaded; ``lo == hi`` when no row does.  Without WINDOW_LEFT,
+    ``unmasked_hi == hi`` (the third stage is not compiled).
     """
     diagonal_offset = seqlen_k - seqlen_q
     hi = tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
-    if CAUSAL:
-        # Row i sees key j iff i >= j - offset: the first row that sees the block's first key ...
-        first_row = tl.maximum(start_n - diagonal_offset, 0)
+    if CAUSAL or WINDOW_RIGHT:
+        if WINDOW_RIGHT:
+            right_diagonal = diagonal_offset + window_right
+        else:
+            right_diagonal = diagonal_offset
+        # Row i sees key j iff i >= j - offset - right: the first row that sees the block's first key ...
+        first_row = tl.maximum(start_n - right_diagonal, 0)
         # ... and the first row that sees its last key.
-        full_row = tl.maximum(start_n + BLOCK_N - 1 - diagonal_offset, 0)
+        full_row = tl.maximum(start_n + BLOCK_N - 1 - right_diagonal, 0)
         lo = tl.where(first_row < seqlen_q, (first_row // BLOCK_M) * BLOCK_M, hi)
         unmasked_lo = tl.cdiv(full_row, BLOCK_M) * BLOCK_M
     else:
@@ -207,7 +260,24 @@ def q_loop_bounds(
     unmasked_lo = tl.where(start_n + BLOCK_N > seqlen_k_b, hi, unmasked_lo)
     lo = tl.where(start_n >= seqlen_k_b, hi, lo)
     unmasked_lo = tl.minimum(tl.maximum(unmasked_lo, lo), hi)
-    return lo, unmasked_lo, hi
+    unmasked_hi = hi
+    if WINDOW_LEFT:
+        # Row i sees key j iff i <= j + left - offset: the last row that sees the block's last real key ends the
+        # range, and the Q tiles wholly before the last row that sees its first key see all of it.
+        left_diagonal = window_left - diagonal_offset
+        last_key = tl.minimum(start_n + BLOCK_N, seqlen_k_b) - 1
+        rows_end = last_key + left_diagonal + 1  # the rows before it see the block's last real key
+        hi = tl.minimum(hi, tl.cdiv(tl.maximum(rows_end, 0), BLOCK_M) * BLOCK_M)
+        hi = tl.maximum(hi, lo)
+        if CAUSAL or WINDOW_RIGHT:
+            # No row both sees a key by the right bound (from first_row on) and by the left one (before rows_end):
+            # nothing, not even the tile that lo rounds down to.
+            empty = band_is_empty(window_left, window_right, WINDOW_RIGHT) | (rows_end <= first_row)
+            hi = tl.where(empty, lo, hi)
+        unmasked_hi = (tl.maximum(start_n + left_diagonal + 1, 0) // BLOCK_M) * BLOCK_M
+        unmasked_lo = tl.minimum(unmasked_lo, hi)
+        unmasked_hi = tl.minimum(tl.maximum(unmasked_hi, unmasked_lo), hi)
+    return lo, unmasked_lo, unmasked_hi, hi
 
 
 @triton.jit
@@ -257,11 +327,94 @@ def row_delta(o_tile, do_tile):
 
 
 @triton.jit
+def tanh_float32(x):
+    """``tanh(x)`` to a few float32 ulps everywhere (NaN stays NaN).
+
+    ``1 - 2 / (exp(2 |x|) + 1)`` loses its relative accuracy as ``x -> 0`` (it subtracts from 1 a value near 1:
+    ~1e-7 / |x| relative, which a large soft cap turns into score errors of ~1e-7 * cap); below |x| = 0.625 the odd
+    minimax polynomial of Cephes' tanhf (S. Moshier) serves instead, relative error ~2e-7.  Both are computed and
+    one selected: no divergent branch per element.
+    """
+    ax = tl.abs(x)
+    z = x * x
+    poly = (((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z + 1.33314422036e-1) * z
+    small = x + x * (poly - 3.33332819422e-1) * z
+    # exp2(2 |x| log2(e)) = exp(2 |x|); overflow to inf gives exactly 1.
+    large = 1.0 - 2.0 / (tl.math.exp2(ax * 2.8853900817779268) + 1.0)
+    large = tl.where(x < 0, -large, large)
+    return tl.where(ax < 0.625, small, large)
+
+
+@triton.jit
+def softcap_scores(s2, cap_in, cap_out, SOFTCAP: tl.constexpr):
+    """The soft cap on base-2 scores ``s2 = s * log2(e)`` -> ``(capped, dcap)``: ``capped = c * tanh(s / c) * log2(e)``
+    (the capped score in base-2 units) and ``dcap = 1 - tanh(s / c)^2``, the cap's derivative, which multiplies dS in
+    the backward (recomputed from the raw score, never stored).  ``cap_in = 1 / (c * log2(e))``, ``cap_out = c *
+    log2(e)``.
+
+    SOFTCAP == 2: the hardware's ``tanh.approx.f32`` (one MUFU.TANH, relative error ~2^-11), for float16/bfloat16 on
+    the GPU, whose P is rounded coarser than that anyway; the exact form (``tanh_float32``) costs an EX2 and a
+    division more per score, on the unit the softmax's own EX2 already loads.  SOFTCAP == 1: ``tanh_float32``.
+    """
+    x = s2 * cap_in
+    if SOFTCAP == 2:
+        tanh = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        tanh = tanh_float32(x)
+    return cap_out * tanh, 1.0 - tanh * tanh
+
+
+@triton.jit
+def alibi_scores(s2, q_pos, k_pos, slope2):
+    """ALiBi on base-2 scores: ``s2 - slope2 * |i' - j|`` (``slope2 = slope * log2(e)``).
+
+    ``q_pos`` (``i' = i + Nk - Nq``) and ``k_pos`` (``j``) arrive as float32 in the tile's orientation; positions are
+    exact in float32 below 2^24, and the distance costs one FADD and one FFMA per score (no integer conversion).
+    """
+    return s2 - slope2 * tl.abs(q_pos - k_pos)
+
+
+@triton.jit
+def modified_scores(
+    raw, qk_scale, q_idx, k_idx, diagonal_offset, cap_in, cap_out, slope2,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+):  # fmt: skip
+    """Base-2 scores of a tile with the score modifiers, from its raw ``q . k`` -> ``(s2, dcap)``.
+
+    ``s2 = raw * qk_scale`` (``qk_scale = scale * log2(e)``), then the soft cap, then ALiBi (SPEC.md's order; the
+    masks come after).  ``q_idx``/``k_idx`` are the tile's row and key indices (``[M, 1]`` and ``[1, N]`` or
+    transposed); ``dcap`` is the soft cap's derivative (1.0 without SOFTCAP).  Only called with SOFTCAP or ALIBI: the
+    plain kernels keep their own (possibly folded) scaling.
+    """
+    s2 = raw * qk_scale
+    dcap = 1.0
+    if SOFTCAP:
+        s2, dcap = softcap_scores(s2, cap_in, cap_out, SOFTCAP)
+    if ALIBI:
+        q_pos = (q_idx + diagonal_offset).to(tl.float32)
+        s2 = alibi_scores(s2, q_pos, k_idx.to(tl.float32), slope2)
+    return s2, dcap
+
+
+@triton.jit
+def alibi_slope2(alibi_ptr, batch, head, stride_alibi_b, stride_alibi_h, ALIBI: tl.constexpr):
+    """``slope[batch, head] * log2(e)`` (the slopes tensor is float32 ``[B, H]``, stride 0 over B for ``[H]``); 0.0
+    without ALIBI (never read)."""
+    if ALIBI:
+        slope = tl.load(alibi_ptr + as_int64(batch) * stride_alibi_b + as_int64(head) * stride_alibi_h)
+        slope2 = slope * 1.4426950408889634
+    else:
+        slope2 = 0.0
+    return slope2
+
+
+@triton.jit
 def recompute_p(scores_raw, lse2, qk_scale, visible, MASKED: tl.constexpr):
     """``P = exp(S - lse)`` of one tile from its raw scores, as ``exp2(s * qk_scale - lse2)`` (one FFMA + EX2).
 
     ``lse2`` comes already broadcast to the tile's orientation (``[M, 1]`` for a ``[M, N]`` tile, ``[1, M]`` for
-    the transposed ``[N, M]`` tile of the K/V-stationary kernel).  MASKED: hidden entries give exactly 0.
+    the transposed ``[N, M]`` tile of the K/V-stationary kernel).  MASKED: hidden entries give exactly 0.  For scores
+    already scaled (the score modifiers), ``qk_scale`` is 1.0 (the multiply folds away).
     """
     p = tl.math.exp2(scores_raw * qk_scale - lse2)
     if MASKED:
@@ -270,8 +423,31 @@ def recompute_p(scores_raw, lse2, qk_scale, visible, MASKED: tl.constexpr):
 
 
 @triton.jit
-def softmax_grad_tile(scores_raw, dp, lse2, delta, qk_scale, visible, MASKED: tl.constexpr):
-    """Recompute ``P`` (see ``recompute_p``) and ``dS = P * (dP - Delta)`` for one tile -> ``(p, ds)``."""
-    p = recompute_p(scores_raw, lse2, qk_scale, visible, MASKED)
-    ds = p * (dp - delta)
-    return p, ds
+def recompute_tile_p(
+    scores_raw, lse2, qk_scale, q_idx, k_idx, diagonal_offset, seqlen_k_b, band, modifiers,
+    CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """``P`` of one backward tile from its raw scores, with the score modifiers and the mask -> ``(p, dcap)``.
+
+    ``q_idx``/``k_idx`` are the tile's rows and keys in its orientation (``[M, 1]``/``[1, N]``, or ``[1, M]``/``[N, 1]``
+    for the K/V-stationary kernel's transposed tiles), ``lse2`` broadcast alike.  ``band = (window_left,
+    window_right)``, ``modifiers = (cap_in, cap_out, slope2)``.  ``dcap``: the soft cap's derivative, which the caller
+    multiplies into ``dS = P * (dP - Delta)`` (1.0 without SOFTCAP).
+    """
+    window_left, window_right = band
+    cap_in, cap_out, slope2 = modifiers
+    visible = None
+    if MASKED:
+        visible = key_visible(
+            q_idx, k_idx, diagonal_offset, seqlen_k_b, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT
+        )
+    if SOFTCAP or ALIBI:
+        s2, dcap = modified_scores(
+            scores_raw, qk_scale, q_idx, k_idx, diagonal_offset, cap_in, cap_out, slope2, SOFTCAP, ALIBI
+        )
+        p = recompute_p(s2, lse2, 1.0, visible, MASKED)
+    else:
+        dcap = 1.0
+        p = recompute_p(scores_raw, lse2, qk_scale, visible, MASKED)
+    return p, dcap

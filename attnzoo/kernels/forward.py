@@ -18,6 +18,7 @@ from triton.compiler.errors import CompilationError
 
 from .common import (
     LOG2E,
+    alibi_slope2,
     as_int64,
     batch_seqlen_k,
     head_pointer,
@@ -25,6 +26,7 @@ from .common import (
     kv_loop_bounds,
     load_kv_tile,
     load_tile,
+    modified_scores,
     online_softmax_step,
     q_block_program,
     store_tile,
@@ -37,45 +39,27 @@ from .launch import KernelVariant, PreparedCall, grid_1d, num_blocks, run
 
 @triton.jit
 def _forward_stage(
-    acc,
-    m_i,
-    l_i,
-    visited,
-    q_tile,
-    k_head,
-    v_head,
-    k_desc,
-    v_desc,
-    batch,
-    kv_head,
-    stride_kn,
-    stride_kd,
-    stride_vn,
-    stride_vd,
-    rows,
-    lo,
-    hi,
-    diagonal_offset,
-    seqlen_k_b,
-    qk_scale,
-    head_dim,
-    EVEN_D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    MASKED: tl.constexpr,
-    FOLD_SCALE: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
+    acc, m_i, l_i, visited, q_tile, k_head, v_head, k_desc, v_desc, batch, kv_head,
+    stride_kn, stride_kd, stride_vn, stride_vd, rows, lo, hi, diagonal_offset, seqlen_k_b, qk_scale,
+    head_dim, head_dim_v, band, modifiers,
+    EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
     """Stream K/V tiles ``[lo, hi)`` through the online softmax (MASKED: apply the visibility mask).
 
+    ``band = (window_left, window_right)`` and ``modifiers = (cap_in, cap_out, slope2)`` are read only under their
+    flags (``common.key_visible``, ``common.modified_scores``).
     FOLD_SCALE: fold ``qk_scale`` (then positive) into the softmax's exponent, one FFMA per score
-    (``PreparedCall.fold_scale`` says when).
+    (``PreparedCall.fold_scale`` says when; never with a score modifier).
     USE_TMA: load K/V through the descriptors ``k_desc``/``v_desc`` (``common.load_kv_tile``); unmasked tiles only.
     """
+    window_left, window_right = band
+    cap_in, cap_out, slope2 = modifiers
     local_n = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
+    cols_v = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + local_n
         k_tile = load_kv_tile(
@@ -83,7 +67,12 @@ def _forward_stage(
             EVEN_D, MASKED, USE_TMA, BLOCK_N, BLOCK_D,
         )  # fmt: skip
         qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
-        if FOLD_SCALE:
+        if SOFTCAP or ALIBI:
+            qk, _dcap = modified_scores(
+                qk, qk_scale, rows[:, None], keys[None, :], diagonal_offset, cap_in, cap_out, slope2, SOFTCAP, ALIBI
+            )
+            step_scale = 1.0
+        elif FOLD_SCALE:
             step_scale = qk_scale
         else:
             # Scale first, then the step multiplies by 1.  (A negative or zero scale could not be folded: the
@@ -91,11 +80,14 @@ def _forward_stage(
             qk = qk * qk_scale
             step_scale = 1.0
         if MASKED:
-            visible = key_visible(rows[:, None], keys[None, :], diagonal_offset, seqlen_k_b, CAUSAL)
+            visible = key_visible(
+                rows[:, None], keys[None, :], diagonal_offset, seqlen_k_b, window_left, window_right,
+                CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
+            )  # fmt: skip
             qk = tl.where(visible, qk, float("-inf"))
         v_tile = load_kv_tile(
-            v_head, v_desc, batch, kv_head, start_n, local_n, cols, stride_vn, stride_vd, seqlen_k_b, head_dim,
-            EVEN_D, MASKED, USE_TMA, BLOCK_N, BLOCK_D,
+            v_head, v_desc, batch, kv_head, start_n, local_n, cols_v, stride_vn, stride_vd, seqlen_k_b, head_dim_v,
+            EVEN_DV, MASKED, USE_TMA, BLOCK_N, BLOCK_DV,
         )  # fmt: skip
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, qk, step_scale, v_tile, MASKED, DOT_PRECISION)
         visited += 1
@@ -103,59 +95,37 @@ def _forward_stage(
 
 
 # Sizes vary per call: no per-value specialisation (one compiled kernel per tile shape, dtype and flags).
-@triton.jit(do_not_specialize=["head_dim", "num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks"])
+@triton.jit(do_not_specialize=[
+    "head_dim", "num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks", "head_dim_v", "window_left",
+    "window_right", "stride_alibi_b", "stride_alibi_h",
+])  # fmt: skip
 def attention_forward_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    k_desc,
-    v_desc,
-    o_ptr,
-    lse_ptr,
-    seqlens_ptr,
-    counts_ptr,
-    stride_qb,
-    stride_qh,
-    stride_qm,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_vd,
-    stride_ob,
-    stride_oh,
-    stride_om,
-    stride_od,
-    num_heads,
-    group_size,
-    seqlen_q,
-    seqlen_k,
-    num_m_blocks,
-    qk_scale,
-    head_dim,
-    EVEN_D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr,
-    FOLD_SCALE: tl.constexpr,
-    MASK_STAGE: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, o_ptr, lse_ptr, seqlens_ptr, counts_ptr,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    num_heads, group_size, seqlen_q, seqlen_k, num_m_blocks, qk_scale, head_dim,
+    head_dim_v, window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h,
+    EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_DV: tl.constexpr, DV_IS_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    FOLD_SCALE: tl.constexpr, MASK_STAGE: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DEBUG: tl.constexpr,
-):
+):  # fmt: skip
     """o, lse of one Q block of one (batch, head); grid: 1-d, num_m_blocks * B * H programs.
 
     Consecutive programs share a (batch, head), so its K/V stays in L2 across them.  With CAUSAL the block
     order is reversed so that the longest rows (most K/V tiles) start first and the tail of the grid is short.
-    MASK_STAGE: some tile may need the mask (``PreparedCall.mask_stage_needed``); without it the masked loop is not
-    compiled.  DEBUG writes (visited, skipped) K/V tile counts of the program to ``counts_ptr``.
+    Up to three stages over the keys (``common.kv_loop_bounds``): the tiles cut by the window's left edge
+    (WINDOW_LEFT), the unmasked ones, the tiles on the right edge or the padding (MASK_STAGE: some tile may need the
+    mask, ``PreparedCall.mask_stage_needed``); a stage that cannot run is not compiled.
+    v and o have their own head dim (``head_dim_v``, tile BLOCK_DV); DV_IS_D: it is q's, and the kernel reads
+    ``head_dim`` for both (a call without a value head dim of its own compiles as before).
+    DEBUG writes (visited, skipped) K/V tile counts of the program to ``counts_ptr``.
     """
+    if DV_IS_D:
+        head_dim_v = head_dim
     pid = tl.program_id(0)
     bh, m_block, batch, head, kv_head = q_block_program(pid, num_m_blocks, num_heads, group_size, CAUSAL)
     start_m = m_block * BLOCK_M
@@ -164,6 +134,7 @@ def attention_forward_kernel(
     local_m = tl.arange(0, BLOCK_M)
     rows = start_m + local_m
     cols = tl.arange(0, BLOCK_D)
+    cols_v = tl.arange(0, BLOCK_DV)
     q_head = head_pointer(q_ptr, batch, head, stride_qb, stride_qh)
     k_head = head_pointer(k_ptr, batch, kv_head, stride_kb, stride_kh)
     v_head = head_pointer(v_ptr, batch, kv_head, stride_vb, stride_vh)
@@ -174,20 +145,34 @@ def attention_forward_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     visited = tl.zeros([], tl.int32)
-    unmasked_end, end = kv_loop_bounds(start_m, seqlen_q, seqlen_k, seqlen_k_b, CAUSAL, BLOCK_M, BLOCK_N)
+    start, unmasked_start, unmasked_end, end = kv_loop_bounds(
+        start_m, seqlen_q, seqlen_k, seqlen_k_b, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
+        BLOCK_M, BLOCK_N,
+    )  # fmt: skip
     diagonal_offset = seqlen_k - seqlen_q
+    band = (window_left, window_right)
+    modifiers = (cap_in, cap_out, alibi_slope2(alibi_ptr, batch, head, stride_alibi_b, stride_alibi_h, ALIBI))
+    if WINDOW_LEFT:
+        acc, m_i, l_i, visited = _forward_stage(
+            acc, m_i, l_i, visited, q_tile, k_head, v_head, k_desc, v_desc, batch, kv_head,
+            stride_kn, stride_kd, stride_vn, stride_vd, rows, start, unmasked_start, diagonal_offset, seqlen_k_b,
+            qk_scale, head_dim, head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N,
+            CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, True, FOLD_SCALE, False, DOT_PRECISION,
+        )  # fmt: skip
     acc, m_i, l_i, visited = _forward_stage(
         acc, m_i, l_i, visited, q_tile, k_head, v_head, k_desc, v_desc, batch, kv_head,
-        stride_kn, stride_kd, stride_vn, stride_vd, rows, 0, unmasked_end, diagonal_offset, seqlen_k_b, qk_scale,
-        head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, False, FOLD_SCALE, USE_TMA, DOT_PRECISION,
+        stride_kn, stride_kd, stride_vn, stride_vd, rows, unmasked_start, unmasked_end, diagonal_offset, seqlen_k_b,
+        qk_scale, head_dim, head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N,
+        CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, False, FOLD_SCALE, USE_TMA, DOT_PRECISION,
     )  # fmt: skip
     if MASK_STAGE:
         acc, m_i, l_i, visited = _forward_stage(
             acc, m_i, l_i, visited, q_tile, k_head, v_head, k_desc, v_desc, batch, kv_head,
-            stride_kn, stride_kd, stride_vn, stride_vd, rows, unmasked_end, end, diagonal_offset, seqlen_k_b, qk_scale,
-            head_dim, EVEN_D, BLOCK_D, BLOCK_N, CAUSAL, True, FOLD_SCALE, False, DOT_PRECISION,
+            stride_kn, stride_kd, stride_vn, stride_vd, rows, unmasked_end, end, diagonal_offset, seqlen_k_b,
+            qk_scale, head_dim, head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N,
+            CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, True, FOLD_SCALE, False, DOT_PRECISION,
         )  # fmt: skip
 
     # Rows with no visible key: l = 0, acc = 0, m = -inf -> o = 0, lse = -inf (no NaN).
@@ -197,13 +182,13 @@ def attention_forward_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     o_head = head_pointer(o_ptr, batch, head, stride_ob, stride_oh)
     store_tile(
-        tile_pointers(o_head, start_m, local_m, cols, stride_om, stride_od),
+        tile_pointers(o_head, start_m, local_m, cols_v, stride_om, stride_od),
         o_tile.to(o_ptr.dtype.element_ty),
         rows,
         seqlen_q,
-        cols,
-        head_dim,
-        EVEN_D,
+        cols_v,
+        head_dim_v,
+        EVEN_DV,
     )
     tl.store(lse_ptr + as_int64(bh) * seqlen_q + rows, lse, mask=rows < seqlen_q)
     if DEBUG:
@@ -214,23 +199,25 @@ def attention_forward_kernel(
 
 
 def attention_forward(call: PreparedCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the forward on a prepared call -> ``o`` ``[B, H, Nq, D]`` (dtype of q), ``lse`` ``[B, H, Nq]`` float32.
+    """Run the forward on a prepared call -> ``o`` ``[B, H, Nq, Dv]`` (dtype of q), ``lse`` ``[B, H, Nq]`` float32.
 
     The autotuner chooses between this module's kernel and, on Hopper, the Gluon kernel of ``forward_gluon.py``
     (``gluon`` configs): the same contract, the softmax overlapped with the matrix products.
     """
     q, k, v = call.q, call.k, call.v
     B, H, Nq, D = q.shape
-    o = call.new_output((B, H, Nq, D), q.dtype)
+    o = call.new_output((B, H, Nq, v.shape[3]), q.dtype)
     lse = call.new_output((B, H, Nq), torch.float32)
     hopper = not call.gluon_reasons(KernelVariant.FORWARD)
+    modifiers = call.modifiers
 
     def launch(cfg) -> None:
         if cfg.gluon and hopper:
             try:
                 attention_forward_hopper(
-                    q, k, v, o, lse, call.scale, call.causal, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages
-                )
+                    q, k, v, o, lse, call.scale, call.causal, modifiers,
+                    cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                )  # fmt: skip
                 return
             except CompilationError as error:  # Gluon's API drifted (frontend error): the Triton kernel's tiles serve
                 record_compile_failure(error)
@@ -240,11 +227,11 @@ def attention_forward(call: PreparedCall) -> tuple[torch.Tensor, torch.Tensor]:
         attention_forward_kernel[grid_1d(programs)](
             q, k, v, k_desc, v_desc, o, lse, call.seqlens, call.counts_for(KernelVariant.FORWARD, programs),
             *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-            H, call.group_size, Nq, call.seqlen_k, num_m_blocks, call.scale * LOG2E,
-            head_dim=D, EVEN_D=call.even_d, BLOCK_D=call.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            H, call.group_size, Nq, call.seqlen_k, num_m_blocks, call.scale * LOG2E, D, *modifiers.args,
+            EVEN_D=call.even_d, BLOCK_D=call.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=call.causal, HAS_SEQLENS=call.has_seqlens, FOLD_SCALE=call.fold_scale,
             MASK_STAGE=call.mask_stage_needed(cfg.block_n), USE_TMA=use_tma, DOT_PRECISION=call.dot_precision,
-            DEBUG=call.debug,
+            DEBUG=call.debug, **modifiers.flags,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 

@@ -38,6 +38,8 @@ Causal masks, any Nq and Nk, and grouped-query heads are handled.  Results are t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .common import LOG2E, kv_loop_bounds, q_block_program
@@ -59,6 +61,9 @@ from .gluon_hopper import (
 
 # The kernel's own warps (the first warpgroup); a second warpgroup and the producer warp join as worker partitions.
 KERNEL_WARPS = 4
+
+if TYPE_CHECKING:
+    from .launch import ScoreModifiers
 
 if gluon is not None:
 
@@ -231,7 +236,10 @@ if gluon is not None:
         # Key ranges (kv_loop_bounds, as in forward.py): [0, unmasked_end) needs no mask; tiles from n_tiles on are
         # hidden from every real row.  At least one tile runs (fully masked when no row sees a key), so that the
         # loop needs no special case: it leaves m = -inf, l = 0 in such rows.
-        unmasked_end, end = kv_loop_bounds(start_m, seqlen_q, seqlen_k, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+        # No window here (the scope sends windowed calls to forward.py): the first stage starts at key 0.
+        _start, _unmasked_start, unmasked_end, end = kv_loop_bounds(
+            start_m, seqlen_q, seqlen_k, seqlen_k, 0, 0, CAUSAL, False, False, BLOCK_M, BLOCK_N
+        )
         unmasked_tiles = unmasked_end // BLOCK_N
         n_tiles = gl.maximum(gl.cdiv(end, BLOCK_N), 1)
 
@@ -300,6 +308,7 @@ def attention_forward_hopper(
     lse: torch.Tensor,
     scale: float,
     causal: bool,
+    modifiers: ScoreModifiers,
     block_m: int = 128,
     block_n: int = 128,
     num_warps: int = 8,

@@ -29,6 +29,7 @@ except ImportError:  # pragma: no cover - older Triton: every launch uses pointe
 from .._env import new_output, triton_interpreter_active
 from ..validation import Problem
 from . import tuning
+from .common import LOG2E
 from .gluon_hopper import HOPPER_DTYPES, HOPPER_HEAD_DIMS, gluon_unavailable_reason
 from .tuning import CANDIDATES, INTERPRETER_CONFIG, KernelConfig, head_dim_tile, seqlen_bucket
 
@@ -149,6 +150,79 @@ _KERNEL_OF = {
 }
 
 
+@dataclass(frozen=True)
+class ScoreModifiers:
+    """SPEC.md's score modifiers and the value head dim as every Triton kernel takes them: ``args`` go after the
+    kernel's ``head_dim`` (``head_dim_v, window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b,
+    stride_alibi_h``) and ``flags`` are its constexprs (``BLOCK_DV``, ``EVEN_DV``, ``DV_IS_D``, ``WINDOW_LEFT``,
+    ``WINDOW_RIGHT``, ``SOFTCAP``, ``ALIBI``).  A call without any of them sets every flag off (``DV_IS_D`` on), so
+    the kernels compile exactly as without these arguments.
+
+    The window becomes the band ``-left <= j - i' <= right``: causal caps the right side at 0, and a right bound that
+    causal already implies (``right >= 0``) is dropped, so causal with ``window=(w, 0)`` adds only the left bound.
+    Sides are clamped to ``[-(Nq + Nk), Nq + Nk]``, which changes no mask and keeps the kernels' int32 sums exact.
+    The soft cap ``c`` reaches the kernels as ``cap_in = 1 / (c * log2(e))`` and ``cap_out = c * log2(e)``, and SOFTCAP
+    is 2 (hardware tanh, float16/bfloat16 on a GPU) or 1 (float32-exact tanh) (``common.softcap_scores``).
+    ``alibi``: the slopes as float32 ``[B, H]`` (a stride-0 view for ``[H]``).
+    """
+
+    args: tuple
+    flags: dict
+    window_left_bounded: bool
+    window_right_bounded: bool
+    softcap: bool
+    alibi: bool
+    key: str  # what the tuning key adds ("" without modifiers: dense keys keep their stored winners)
+
+    @classmethod
+    def of(cls, problem: Problem, device: torch.device, block_d: int, block_dv: int) -> ScoreModifiers:
+        bound = problem.seqlen_q + problem.seqlen_k
+        left, right = problem.window if problem.window is not None else (None, None)
+        if problem.causal and right is not None:
+            right = min(right, 0)
+            if right == 0:
+                right = None  # causal's own bound
+        left_bounded, right_bounded = left is not None, right is not None
+        window_left = max(-bound, min(bound, left)) if left_bounded else 0
+        window_right = max(-bound, min(bound, right)) if right_bounded else 0
+        softcap = problem.softcap
+        if softcap:
+            cap_in, cap_out = 1.0 / (softcap * LOG2E), softcap * LOG2E
+            # 2: the hardware tanh (float16/bfloat16 on a GPU); 1: the float32-exact one (common.softcap_scores).
+            approx = problem.dtype in (torch.float16, torch.bfloat16) and not triton_interpreter_active()
+            softcap_mode = 2 if approx else 1
+        else:
+            cap_in = cap_out = 0.0
+            softcap_mode = 0
+        slopes = problem.alibi_slopes
+        if slopes is not None:
+            slopes = torch.as_tensor(slopes).to(device=device, dtype=torch.float32)
+            slopes = slopes.expand(problem.batch, problem.heads) if slopes.dim() == 1 else slopes
+            alibi_args = (slopes, *slopes.stride())
+        else:
+            alibi_args = (_placeholder(device), 0, 0)
+        dv = problem.head_dim_v
+        flags = dict(
+            BLOCK_DV=block_dv, EVEN_DV=dv == block_dv, DV_IS_D=dv == problem.head_dim, WINDOW_LEFT=left_bounded,
+            WINDOW_RIGHT=right_bounded, SOFTCAP=softcap_mode, ALIBI=slopes is not None,
+        )  # fmt: skip
+        parts = [
+            "window" if problem.window is not None else "",
+            "softcap" if softcap else "",
+            "alibi" if slopes is not None else "",
+            f"BLOCK_DV={block_dv}" if block_dv != block_d else "",
+        ]
+        return cls(
+            args=(dv, window_left, window_right, cap_in, cap_out, *alibi_args),
+            flags=flags,
+            window_left_bounded=left_bounded,
+            window_right_bounded=right_bounded,
+            softcap=bool(softcap),
+            alibi=slopes is not None,
+            key=" ".join(p for p in parts if p),
+        )
+
+
 @dataclass(eq=False)
 class PreparedCall:
     """One attention call, prepared for the kernels by :func:`prepare`; nothing in it changes afterwards (not frozen
@@ -179,6 +253,9 @@ class PreparedCall:
     dot_precision: str
     fold_scale: bool
     debug: bool  # the kernels are built with their tile counters (DEBUG): counts is not None
+    block_dv: int  # the head-dim tile of v, o, do and dv (BLOCK_D when Dv == D)
+    # The kernels' runtime arguments and constexpr flags of the score modifiers and of Dv (``ScoreModifiers``).
+    modifiers: ScoreModifiers
 
     @cached_property
     def kv_descriptors(self) -> bool:
@@ -187,17 +264,22 @@ class PreparedCall:
 
     def kv_tile_descriptors(self, cfg: KernelConfig) -> tuple[bool, object, object]:
         """``(USE_TMA, k_desc, v_desc)`` of a launch that streams K/V tiles of ``cfg.block_n`` keys: descriptors of
-        ``[block_n, BLOCK_D]`` boxes when ``cfg`` asks for TMA and the inputs allow it, else False and the K/V
-        tensors themselves (a placeholder the kernel never reads)."""
+        ``[block_n, BLOCK_D]`` (k) and ``[block_n, BLOCK_DV]`` (v) boxes when ``cfg`` asks for TMA and the inputs
+        allow it, else False and the K/V tensors themselves (a placeholder the kernel never reads)."""
         if cfg.tma and self.kv_descriptors:
-            return True, *(tile_descriptor(x, cfg.block_n, self.block_d) for x in (self.k, self.v))
+            return (
+                True,
+                tile_descriptor(self.k, cfg.block_n, self.block_d),
+                tile_descriptor(self.v, cfg.block_n, self.block_dv),
+            )
         return False, self.k, self.v
 
     def mask_stage_needed(self, block_n: int) -> bool:
-        """Whether some tile of ``block_n`` keys needs the visibility mask: a causal diagonal, ``seqlens_k``, or a
-        last K/V tile cut by Nk.  When none does, the kernels leave their masked loop out at compile time: the
-        loop would run no iteration, but its code alone costs registers in kernels that sit at the limit."""
-        return self.causal or self.has_seqlens or self.seqlen_k % block_n != 0
+        """Whether some tile of ``block_n`` keys may need the mask on its right edge: a causal diagonal, a window's
+        right bound, ``seqlens_k``, or a last K/V tile cut by Nk.  When none does, the kernels leave that masked loop
+        out at compile time: the loop would run no iteration, but its code alone costs registers in kernels that sit
+        at the limit.  (The window's left edge has its own stage, compiled with WINDOW_LEFT.)"""
+        return self.causal or self.has_seqlens or self.seqlen_k % block_n != 0 or self.modifiers.window_right_bounded
 
     def new_output(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous output buffer that the kernels write completely (NaN-filled under ATTNZOO_POISON_OUTPUTS=1)."""
@@ -232,6 +314,8 @@ def prepare(
     their strides could wrap int32 offsets inside a tile."""
     q, k, v = (int32_addressable(x) for x in (q, k, v))
     block_d = head_dim_tile(problem.head_dim)
+    block_dv = head_dim_tile(problem.head_dim_v)
+    modifiers = ScoreModifiers.of(problem, q.device, block_d, block_dv)
     if problem.seqlens_k is not None:
         seqlens = problem.seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
     else:
@@ -252,8 +336,11 @@ def prepare(
         block_d=block_d,
         even_d=problem.head_dim == block_d,
         dot_precision=dot_precision(problem.dtype),
-        fold_scale=folds_scale(problem.scale, block_d),
+        # The fold needs the softmax's input to be the raw scores times a positive scale: not with a modifier.
+        fold_scale=folds_scale(problem.scale, block_d) and not (modifiers.softcap or modifiers.alibi),
         debug=counts is not None,
+        block_dv=block_dv,
+        modifiers=modifiers,
     )
 
 
@@ -271,6 +358,23 @@ class GluonScope:
     kernel_file: str
     needs_positive_scale: bool  # the kernel folds the scale into exp2's argument
     extra_tma_operands: tuple[str, ...] = ()  # names of the further tensors it loads by TMA, passed to the check
+    # The score modifiers the kernel applies (SPEC.md); a call with another one runs the Triton kernel.
+    window: bool = False
+    softcap: bool = False
+    alibi: bool = False
+
+    def modifier_reasons(self, modifiers: ScoreModifiers) -> list[str]:
+        """The score modifiers (and Dv != D) of a call that the kernel does not apply."""
+        reasons = []
+        if (modifiers.window_left_bounded or modifiers.window_right_bounded) and not self.window:
+            reasons.append("window: the kernel has no sliding-window bounds")
+        if modifiers.softcap and not self.softcap:
+            reasons.append("softcap: the kernel has no soft cap")
+        if modifiers.alibi and not self.alibi:
+            reasons.append("alibi_slopes: the kernel has no ALiBi term")
+        if not modifiers.flags["DV_IS_D"]:
+            reasons.append("a value head dim Dv != D: the kernel's tiles share one head dim")
+        return reasons
 
     def not_supported_reasons(self, call: PreparedCall, extra: tuple[torch.Tensor, ...] = ()) -> list[str]:
         q = call.q
@@ -288,6 +392,7 @@ class GluonScope:
             reasons.append(f"head dim {q.shape[-1]}: {' and '.join(map(str, HOPPER_HEAD_DIMS))} only")
         if call.has_seqlens:
             reasons.append("seqlens_k: the K/V rows past seqlens_k[b] may hold anything, and TMA cannot zero them")
+        reasons.extend(self.modifier_reasons(call.modifiers))
         if self.needs_positive_scale and not call.scale > 0:
             reasons.append("scale <= 0: the kernel folds a positive scale into exp2's argument")
         if call.debug:
@@ -336,6 +441,7 @@ def run(
         seqlen_bucket(q.shape[2]),
         seqlen_bucket(call.seqlen_k),
         call.dot_precision,
+        call.modifiers.key,
         q.device.index,
     )
 

@@ -396,9 +396,12 @@ def launch_with_best(
 def key_text(key: tuple) -> str:
     """The readable, device-independent text of a tuning key: the disk cache's and the shipped table's keys."""
     variant, block_d, dtype, causal, has_seqlens, nq, nk, precision = key[:8]
+    # Between the precision and the device index: what the score modifiers and Dv add (launch.ScoreModifiers.key),
+    # written only when there is something, so that the keys of plain calls keep their stored winners.
+    modifiers = " ".join(str(part) for part in key[8:-1] if part)
     return (
         f"{variant} BLOCK_D={block_d} {str(dtype).removeprefix('torch.')} causal={causal} seqlens={has_seqlens} "
-        f"Nq<={nq} Nk<={nk} dot={precision}"
+        f"Nq<={nq} Nk<={nk} dot={precision}" + (f" {modifiers}" if modifiers else "")
     )
 
 

@@ -1,0 +1,158 @@
+"""GPU tests of the Triton kernels with SPEC.md's score modifiers (``pytest -m gpu``; skipped without CUDA): sliding
+windows, the soft cap, ALiBi and a value head dim Dv != D, alone and together, in float16, bfloat16 and float32;
+every candidate config of every kernel on a windowed, soft-capped ALiBi call; the debug tile counts on the GPU.
+
+Shapes are small enough for the CPU float64 oracle, which judges by SPEC.md's rule (as ``test_gpu.py``'s small
+checks do).  The Gluon Hopper kernels have no score modifiers yet: their ``gluon`` configs run the Triton kernel with
+the same tiles on these calls (``GluonScope.modifier_reasons``), which the candidate test checks too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from triton.runtime.errors import OutOfResources
+
+import attnzoo
+from attnzoo import debug, oracle
+from attnzoo.kernels.tuning import CANDIDATES, candidates, head_dim_tile
+
+pytestmark = pytest.mark.gpu
+
+CUDA = "cuda"
+TRITON = ("triton_2kernel", "triton_atomic")
+NAMES = ("o", "lse", "dq", "dk", "dv")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _make(B, H, Hkv, Nq, Nk, D, Dv, dtype, seqlens=None, alibi=None, seed=0):
+    """q, k, v, do, seqlens_k, alibi_slopes on the GPU; ``alibi``: None, "heads" ([H]) or "batch-heads" ([B, H])."""
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    q = torch.randn(B, H, Nq, D, device=CUDA, dtype=dtype, generator=g)
+    k = torch.randn(B, Hkv, Nk, D, device=CUDA, dtype=dtype, generator=g)
+    v = torch.randn(B, Hkv, Nk, Dv, device=CUDA, dtype=dtype, generator=g)
+    do = torch.randn(B, H, Nq, Dv, device=CUDA, dtype=dtype, generator=g)
+    sl = None if seqlens is None else torch.tensor(seqlens, device=CUDA, dtype=torch.int32)
+    slopes = None
+    if alibi is not None:
+        # BLOOM's slopes 2^(-8 h / H), per batch scaled so that the two shapes differ.
+        base = torch.tensor([2.0 ** (-8 * (h + 1) / H) for h in range(H)], device=CUDA)
+        slopes = base if alibi == "heads" else base * torch.linspace(0.5, 1.5, B, device=CUDA)[:, None]
+    return q, k, v, do, sl, slopes
+
+
+def _check(outputs, q, k, v, do, **kw):
+    """Five outputs against the CPU float64 oracle under SPEC.md's rule (with the contract's stored-o term)."""
+    ref = oracle.reference(q, k, v, do, **kw)
+    base = oracle.plain_torch(q, k, v, do, **kw) if q.dtype in oracle.LOW_PRECISION else None
+    contract = oracle.contract_errors(q, k, v, do, ref, stored_o=outputs[0], **kw)
+    for name, got in zip(NAMES, outputs, strict=True):
+        assert not torch.isnan(got).any(), f"{name}: NaN"
+        baseline = None if base is None else getattr(base, name)
+        check = oracle.check_output(name, got, getattr(ref, name), baseline, q.dtype, contract.get(name, 0.0))
+        assert check.ok, f"{name}: {check.message}"
+
+
+def _run(backend, q, k, v, do, **kw):
+    o, lse = backend.forward(q, k, v, **kw)
+    return (o, lse, *backend.backward(do, q, k, v, o, lse, **kw))
+
+
+# (B, H, Hkv, Nq, Nk, D, Dv, causal, seqlens_k, window, softcap, alibi)
+CASES = {
+    "sliding-window": (2, 4, 2, 300, 300, 128, 128, True, None, (64, 0), 0.0, None),
+    "window-both-sides-Nq<Nk": (2, 2, 1, 200, 333, 64, 64, False, [333, 150], (40, 25), 0.0, None),
+    "window-off-diagonal-empty-rows": (1, 2, 2, 257, 190, 64, 64, False, [170], (None, -100), 0.0, None),
+    "empty-band": (1, 2, 1, 130, 130, 64, 64, True, None, (-5, None), 0.0, None),
+    "softcap": (2, 4, 4, 250, 250, 128, 128, True, [250, 99], None, 20.0, None),
+    "alibi-heads": (2, 4, 2, 220, 300, 64, 64, True, None, None, 0.0, "heads"),
+    "alibi-batch-heads": (2, 2, 1, 199, 199, 128, 128, False, [199, 57], (80, 80), 0.0, "batch-heads"),
+    "Dv-128-D-192": (1, 4, 2, 260, 260, 192, 128, True, None, None, 0.0, None),
+    "Dv-128-D-64": (2, 2, 1, 200, 230, 64, 128, True, [230, 31], (50, 0), 0.0, None),
+    "everything": (2, 4, 2, 280, 310, 96, 80, True, [310, 120], (70, -3), 15.0, "batch-heads"),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("name", TRITON)
+def test_score_modifiers_match_the_oracle(name, case, dtype):
+    B, H, Hkv, Nq, Nk, D, Dv, causal, seqlens, window, softcap, alibi = CASES[case]
+    q, k, v, do, sl, slopes = _make(B, H, Hkv, Nq, Nk, D, Dv, dtype, seqlens, alibi, seed=len(case))
+    kw = dict(causal=causal, seqlens_k=sl, window=window, softcap=softcap, alibi_slopes=slopes)
+    outputs = _run(attnzoo.get(name), q, k, v, do, **kw)
+    _check(outputs, q, k, v, do, **kw)
+    if case == "empty-band":
+        o, lse, dq, dk, dv = outputs
+        assert not o.any() and torch.isneginf(lse).all() and not dq.any() and not dk.any() and not dv.any()
+
+
+@pytest.mark.parametrize("dtype,D", [(torch.float16, 128), (torch.bfloat16, 64)], ids=str)
+def test_every_candidate_config_is_correct_with_a_window_softcap_and_alibi(dtype, D):
+    """Every autotuning candidate of every kernel (Gluon and TMA ones included: the Gluon ones run their Triton twins
+    here) on a causal sliding-window call with a soft cap, ALiBi and seqlens_k (or cannot launch: OutOfResources,
+    which the tuner skips; those are printed)."""
+    q, k, v, do, sl, slopes = _make(2, 4, 2, 300, 333, D, D, dtype, [333, 100], "heads", seed=D)
+    kw = dict(causal=True, seqlens_k=sl, window=(90, 0), softcap=10.0, alibi_slopes=slopes)
+    lists = {name: candidates(name, head_dim_tile(D), dtype, q.device) for name in CANDIDATES}
+    o_ref, lse_ref = attnzoo.get("triton_2kernel").forward(q, k, v, **kw)
+    out_of_resources = []
+    for i in range(max(len(c) for c in lists.values())):
+        forced = {name: configs[i % len(configs)] for name, configs in lists.items()}
+        two_kernel = attnzoo.get("triton_2kernel", configs={n: forced[n] for n in ("forward", "dq", "dkdv")})
+        stage = "forward"
+        try:
+            o, lse = two_kernel.forward(q, k, v, **kw)
+            stage = "dq/dkdv"
+            grads = two_kernel.backward(do, q, k, v, o_ref, lse_ref, **kw)
+            _check((o, lse, *grads), q, k, v, do, **kw)
+        except OutOfResources:
+            out_of_resources.append(f"{stage}: {forced}")
+        for delta in ("preprocess", "recompute"):
+            atomic = attnzoo.get("triton_atomic", delta=delta, configs={"atomic": forced["atomic"]})
+            try:
+                grads = atomic.backward(do, q, k, v, o_ref, lse_ref, **kw)
+            except OutOfResources:
+                out_of_resources.append(f"atomic: {forced['atomic']}")
+                continue
+            _check((o_ref, lse_ref, *grads), q, k, v, do, **kw)
+    print(f"\n[modifier configs] {dtype} D={D} out of resources: {sorted(set(out_of_resources))}")
+
+
+# (B, H, Hkv, Nq, Nk, causal, seqlens_k, window)
+COUNTED = [
+    (1, 2, 1, 1000, 1000, True, None, (256, 0)),
+    (2, 2, 2, 700, 900, False, [900, 333], (100, 150)),
+    (1, 1, 1, 640, 640, True, None, (-10, None)),
+    (1, 2, 1, 513, 300, False, None, (None, -64)),
+]
+
+
+@pytest.mark.parametrize("geometry", COUNTED)
+@pytest.mark.parametrize(
+    "backend,kernel",
+    [("triton_2kernel", "forward"), ("triton_2kernel", "dq"), ("triton_2kernel", "dkdv"), ("triton_atomic", "atomic")],
+)
+def test_window_skip_counts_on_the_gpu(geometry, backend, kernel):
+    """The debug counters of the compiled kernels (64 x 64 tiles) against the tiles of SPEC.md's mask: a tile is
+    loaded iff some real row sees some real key in it."""
+    B, H, Hkv, Nq, Nk, causal, seqlens, window = geometry
+    q, k, v, _, sl, _ = _make(B, H, Hkv, Nq, Nk, 64, 64, torch.float16, seqlens)
+    counts = debug.tile_counts(backend, q, k, v, causal, sl, kernel=kernel, window=window)
+    bm, bn = counts.block_m, counts.block_n
+    mask = oracle.visible_mask(B, Nq, Nk, causal, None if sl is None else sl.cpu(), window=window)[:, 0]
+    n_m, n_n = math.ceil(Nq / bm), math.ceil(Nk / bn)
+    tiles = torch.zeros(B, n_m, n_n, dtype=torch.int32)
+    for i in range(n_m):
+        for j in range(n_n):
+            tiles[:, i, j] = mask[:, i * bm : (i + 1) * bm, j * bn : (j + 1) * bn].flatten(1).any(1).int()
+    if kernel == "dkdv":
+        visited = (tiles.sum(1) * (H // Hkv))[:, None, :].expand(B, Hkv, n_n)
+        total = n_m * (H // Hkv)
+    else:
+        visited = tiles.sum(2)[:, None, :].expand(B, H, n_m)
+        total = n_n
+    assert torch.equal(counts.visited, visited.to(counts.visited.dtype))
+    assert torch.equal(counts.skipped, (total - visited).to(counts.skipped.dtype))
