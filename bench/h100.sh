@@ -18,8 +18,8 @@ grid)
     name=h100_bench_$dtype${3:+_d$3}
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
     # Compile every autotuning candidate on all cores first; the timed run then finds them in Triton's cache.
-    python bench/precompile.py --dtype "$dtype" --d "$dims" --workers "${WORKERS:-14}" | tail -1
-    python -m attnzoo bench --dtype "$dtype" --d "$dims" --N 1k,2k,4k,8k,16k --causal both --mode fwd,train \
+    python -m attnzoo tune --compile-only --quiet --dtype "$dtype" --d "$dims" --workers "${WORKERS:-14}"
+    python -m attnzoo bench --autotune --dtype "$dtype" --d "$dims" --N 1k,2k,4k,8k,16k --causal both --mode fwd,train \
         --impl "$IMPLS" --warmup 3 --repeat 10 --time-budget-s "${BUDGET:-480}" --recheck "${RECHECK:-1.15}" \
         --out "$OUT/$name.csv" 2>&1 | tee "$OUT/$name.log" | grep -v '^\[' ;;
 merge)

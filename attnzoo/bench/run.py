@@ -11,6 +11,7 @@ Without CUDA the defaults shrink to a tiny float32 grid over the CPU-capable imp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import math
 import sys
@@ -187,6 +188,12 @@ def build_parser(cuda: bool) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="CSV path (default bench/results/<machine>_bench.csv)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (each case draws its own)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--autotune",
+        action="store_true",
+        help="time every Triton kernel's candidates afresh for each key (and store the winners) instead of using the "
+        "stored or shipped winners; the [tuned] lines of the log list the timings",
+    )
     return p
 
 
@@ -448,7 +455,8 @@ def main(argv: list[str]) -> int:
     cases = build_grid(args)
     start = time.perf_counter()
     out = Path(args.out or f"bench/results/{machine_tag(machine_info(device)['gpu_name'])}_bench.csv")
-    rows = run_grid(cases, args, device, out)
+    with tuning.autotuning(True) if args.autotune else contextlib.nullcontext():
+        rows = run_grid(cases, args, device, out)
     write_csv(out, rows)
     counts: dict[str, int] = {}
     for row in rows:

@@ -130,7 +130,7 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         KernelConfig(64, 128, 8, 3),
         KernelConfig(16, 64, 4, 2),
         KernelConfig(64, 64, 4, 3),
-        # D = 64: 4 warps over 128 resident keys, 14% faster than (32, 64) at fp16 N = 8192 (NOTES-kernels.md).
+        # D = 64: 4 warps over 128 resident keys, 14% faster than (32, 64) at fp16 N = 8192 (docs/design.md).
         KernelConfig(32, 128, 4, 3),
         # The Gluon Hopper dK/dV kernel (softmax-gradient arithmetic overlapped with the products; BLOCK_N = 16 *
         # num_warps: one warpgroup per 64 resident keys). On the H100, fp16, the whole backward with 64 x 64 w4 s2
