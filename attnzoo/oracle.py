@@ -162,8 +162,8 @@ def plain_torch(
     alibi_slopes=None,
 ) -> Result:
     """Textbook attention as plain PyTorch runs it in the inputs' dtype, on their device: matrix products and
-    softmax in that dtype (PyTorch accumulates them in float32 and rounds the result), the soft cap and the ALiBi
-    term in that dtype too, gradients by autograd.
+    softmax in that dtype (PyTorch accumulates them in float32 and rounds the result), the ALiBi term in that dtype
+    too, the soft cap in float32 rounded to it, gradients by autograd.
 
     This is the error baseline of SPEC.md's rule for float16 and bfloat16: a backend may be at most twice as
     far from :func:`reference` as this is, plus a small slack.
@@ -178,7 +178,9 @@ def plain_torch(
         k_full, v_full = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         s = (q @ k_full.transpose(-1, -2)) * scale
         if softcap:
-            s = softcap * torch.tanh(s / softcap)
+            # In float32 and rounded back: in float16, autograd's softcap * dtanh would overflow for caps near 1e4
+            # (and the baseline, hence the bound, would be inf), where the kernels compute the cap in float32 too.
+            s = (softcap * torch.tanh(s.float() / softcap)).to(s.dtype)
         if alibi_slopes is not None:
             s = s + alibi_bias(alibi_slopes, B, H, Nq, k.shape[2], q.device).to(s.dtype)
         has_key = mask.any(dim=-1, keepdim=True)
