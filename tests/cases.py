@@ -105,8 +105,12 @@ def _window_side(seqlen: int) -> st.SearchStrategy[int | None]:
     return st.one_of(st.none(), edges, st.integers(-seqlen - 5, seqlen + 5))
 
 
-# Soft caps from tiny (every score squashed to about +-softcap) to large (almost the identity).
+# Soft caps from tiny (every score squashed to about +-softcap) to large (almost the identity).  A cap c multiplies
+# a score's rounding error by 1/c in the backward (the derivative 1 - tanh^2(S / c)): float32's fixed tolerance holds
+# for caps from 0.05 on (a float32 reference backend missed it by 2x at c = 1e-3, as ill-conditioned as plain PyTorch
+# there); tinier caps are checked in float64 (exact) and in float16/bfloat16 (against plain PyTorch's own error).
 _SOFTCAPS = st.one_of(st.sampled_from([1e-3, 0.05, 1.0, 5.0, 30.0, 1e4]), st.floats(1e-3, 1e4))
+_FLOAT32_SOFTCAPS = st.one_of(st.sampled_from([0.05, 1.0, 5.0, 30.0, 1e4]), st.floats(0.05, 1e4))
 
 
 @st.composite
@@ -134,8 +138,9 @@ def cases(
     window = softcap = head_dim_v = None
     if "window" in features and draw(st.booleans()):
         window = (draw(_window_side(seqlen_k)), draw(_window_side(seqlen_k)))
+    dtype = draw(st.sampled_from(dtypes))
     if "softcap" in features and draw(st.booleans()):
-        softcap = draw(_SOFTCAPS)
+        softcap = draw(_FLOAT32_SOFTCAPS if dtype == F32 else _SOFTCAPS)
     alibi = draw(st.sampled_from(["none", "heads", "batch-heads"])) if "alibi" in features else "none"
     if "head_dim_v" in features and draw(st.booleans()):
         head_dim_v = draw(st.one_of(st.just(1), _sizes(_EDGE_HEAD_DIMS, max_head_dim)))
@@ -148,7 +153,7 @@ def cases(
         head_dim=head_dim,
         causal=draw(st.booleans()),
         seqlens_k=seqlens,
-        dtype=draw(st.sampled_from(dtypes)),
+        dtype=dtype,
         layout=draw(st.sampled_from(["contiguous", "contiguous", "bnhd", "padded", "broadcast"])),
         scale=scale,
         seed=draw(st.integers(0, 2**31 - 1)),
