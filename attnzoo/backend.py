@@ -32,16 +32,16 @@ def triton_interpreter_active() -> bool:
 def interpreter_unusable_reason() -> str | None:
     """Why the installed Triton's interpreter cannot run kernels with the installed NumPy (None when it can).
 
-    Triton 3.6's interpreter converts a one-element array to an index with ``int()``, which NumPy 2.4 refuses for
-    arrays of rank above 0 (every interpreted kernel then fails inside Triton); 3.2-3.5 do not take that path and 3.8
-    squeezes the array first.
+    The interpreters of Triton 3.2 and 3.6 convert one-element arrays to Python scalars with ``int()``, which NumPy
+    2.4 refuses for arrays of rank above 0 (every interpreted kernel then fails inside Triton); 3.8 squeezes the
+    array first.  Releases between were not tried and are treated like their neighbours.
     """
     import triton
 
     def version(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split("+")[0].split(".")[:2] if part.isdigit())
 
-    if (3, 6) <= version(triton.__version__) < (3, 8) and version(np.__version__) >= (2, 4):
+    if version(triton.__version__) < (3, 8) and version(np.__version__) >= (2, 4):
         return (
             f"Triton {triton.__version__}'s interpreter fails with NumPy {np.__version__} (int() of a one-element "
             "array); use NumPy < 2.4 or Triton >= 3.8"
