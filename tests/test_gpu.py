@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from triton.runtime.errors import OutOfResources
+from every_candidate import check_every_candidate
 
 import attnzoo
 from attnzoo import oracle
@@ -19,7 +19,7 @@ from attnzoo.kernels import tuning
 from attnzoo.kernels.backward_2kernel import attention_backward_2kernel
 from attnzoo.kernels.forward import attention_forward
 from attnzoo.kernels.launch import KernelVariant, PreparedCall, prepare
-from attnzoo.kernels.tuning import CANDIDATES, candidates, head_dim_tile
+from attnzoo.kernels.tuning import CANDIDATES
 from attnzoo.testing import AttentionInputs, oracle_for, random_inputs
 from attnzoo.validation import validate_forward
 
@@ -106,30 +106,10 @@ def test_every_candidate_config_is_correct(dtype, D):
     """Every autotuning candidate of every kernel computes the right thing (or cannot launch: OutOfResources,
     which the tuner skips; those are printed)."""
     q, k, v, do, sl = _make(2, 4, 2, 300, 333, D, dtype, [333, 100], seed=D)
-    lists = {name: candidates(name, head_dim_tile(D), dtype, q.device) for name in CANDIDATES}
-    o_ref, lse_ref = attnzoo.get("triton_2kernel").forward(q, k, v, causal=True, seqlens_k=sl)
-    out_of_resources = []
-    kw = dict(causal=True, seqlens_k=sl)
-    for i in range(max(len(c) for c in lists.values())):
-        forced = {name: configs[i % len(configs)] for name, configs in lists.items()}
-        two_kernel = attnzoo.get("triton_2kernel", configs={n: forced[n] for n in ("forward", "dq", "dkdv")})
-        stage = "forward"
-        try:
-            o, lse = two_kernel.forward(q, k, v, **kw)
-            stage = "dq/dkdv"
-            grads = two_kernel.backward(do, q, k, v, o_ref, lse_ref, **kw)
-            _small_check((o, lse, *grads), q, k, v, do, True, sl)
-        except OutOfResources:
-            out_of_resources.append(f"{stage}: {forced}")
-        for delta in ("preprocess", "recompute"):
-            atomic = attnzoo.get("triton_atomic", delta=delta, configs={"atomic": forced["atomic"]})
-            try:
-                grads = atomic.backward(do, q, k, v, o_ref, lse_ref, **kw)
-            except OutOfResources:
-                out_of_resources.append(f"atomic: {forced['atomic']}")
-                continue
-            _small_check((o_ref, lse_ref, *grads), q, k, v, do, True, sl)
-    _report(f"[configs] {dtype} D={D} out of resources: {sorted(set(out_of_resources))}")
+    out_of_resources = check_every_candidate(
+        q, k, v, do, lambda outputs: _small_check(outputs, q, k, v, do, True, sl), causal=True, seqlens_k=sl
+    )
+    _report(f"[configs] {dtype} D={D} out of resources: {out_of_resources}")
 
 
 # (dtype, B, H, Hkv, Nq, Nk, D, causal, layout): tails on both sides, Nq < Nk and Nq > Nk under the causal mask

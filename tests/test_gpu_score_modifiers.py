@@ -13,11 +13,10 @@ import math
 
 import pytest
 import torch
-from triton.runtime.errors import OutOfResources
+from every_candidate import check_every_candidate
 
 import attnzoo
 from attnzoo import debug, oracle
-from attnzoo.kernels.tuning import CANDIDATES, candidates, head_dim_tile
 
 pytestmark = pytest.mark.gpu
 
@@ -96,29 +95,8 @@ def test_every_candidate_config_is_correct_with_a_window_softcap_and_alibi(dtype
     which the tuner skips; those are printed)."""
     q, k, v, do, sl, slopes = _make(2, 4, 2, 300, 333, D, D, dtype, [333, 100], "heads", seed=D)
     kw = dict(causal=True, seqlens_k=sl, window=(90, 0), softcap=10.0, alibi_slopes=slopes)
-    lists = {name: candidates(name, head_dim_tile(D), dtype, q.device) for name in CANDIDATES}
-    o_ref, lse_ref = attnzoo.get("triton_2kernel").forward(q, k, v, **kw)
-    out_of_resources = []
-    for i in range(max(len(c) for c in lists.values())):
-        forced = {name: configs[i % len(configs)] for name, configs in lists.items()}
-        two_kernel = attnzoo.get("triton_2kernel", configs={n: forced[n] for n in ("forward", "dq", "dkdv")})
-        stage = "forward"
-        try:
-            o, lse = two_kernel.forward(q, k, v, **kw)
-            stage = "dq/dkdv"
-            grads = two_kernel.backward(do, q, k, v, o_ref, lse_ref, **kw)
-            _check((o, lse, *grads), q, k, v, do, **kw)
-        except OutOfResources:
-            out_of_resources.append(f"{stage}: {forced}")
-        for delta in ("preprocess", "recompute"):
-            atomic = attnzoo.get("triton_atomic", delta=delta, configs={"atomic": forced["atomic"]})
-            try:
-                grads = atomic.backward(do, q, k, v, o_ref, lse_ref, **kw)
-            except OutOfResources:
-                out_of_resources.append(f"atomic: {forced['atomic']}")
-                continue
-            _check((o_ref, lse_ref, *grads), q, k, v, do, **kw)
-    print(f"\n[modifier configs] {dtype} D={D} out of resources: {sorted(set(out_of_resources))}")
+    out_of_resources = check_every_candidate(q, k, v, do, lambda outputs: _check(outputs, q, k, v, do, **kw), **kw)
+    print(f"\n[modifier configs] {dtype} D={D} out of resources: {out_of_resources}")
 
 
 # (B, H, Hkv, Nq, Nk, causal, seqlens_k, window)
