@@ -5,12 +5,14 @@
 >>> o, lse = attnzoo.get("torch_fa2").forward(q, k, v, causal=True)
 >>> o = attnzoo.attention(q, k, v, causal=True)   # autograd, torch.compile-able
 >>> o = attnzoo.sdpa(q, k, v, is_causal=True)     # scaled_dot_product_attention's exact signature and semantics
+>>> o, lse = attnzoo.merge_attention(o_parts, lse_parts)  # results over disjoint key sets -> their union
 """
 
 from . import backends as _backends  # noqa: F401  (registers every backend)
 from .autograd import attention, pick_backend
 from .backend import REQUIRED_FEATURES, Backend, Capabilities, get, names
 from .drop_in import sdpa, sdpa_patched
+from .merge import merge_attention
 from .validation import Problem
 
 __all__ = [
@@ -20,6 +22,7 @@ __all__ = [
     "Problem",
     "attention",
     "get",
+    "merge_attention",
     "names",
     "pick_backend",
     "sdpa",
