@@ -28,35 +28,33 @@ from .common import (
     LOG2E,
     alibi_slope2,
     as_int64,
-    batch_seqlen_k,
-    head_pointer,
+    head_rows,
+    kv_block_opening,
     kv_loop_bounds,
     load_kv_tile,
     load_lse2,
-    load_tile,
-    q_block_program,
+    load_rows,
+    q_block_opening,
     q_loop_bounds,
     recompute_tile_p,
     row_delta,
-    store_tile,
-    tile_pointers,
+    store_rows,
 )
 from .gluon_hopper import record_compile_failure
-from .launch import KernelVariant, PreparedCall, grid_1d, int32_addressable, num_blocks, run
+from .launch import KernelVariant, PreparedCall, grid_1d, int32_addressable, num_blocks, run, tensor_args
 
 
 @triton.jit
 def _dkdv_stage(
-    dk, dv, visited, k_tile, v_tile, q_head, do_head, lse2_row_ptr, delta_row_ptr,
-    stride_qm, stride_qd, stride_dom, stride_dod, keys, lo, hi, seqlen_q, diagonal_offset, seqlen_k_b, qk_scale,
-    head_dim, head_dim_v, band, modifiers,
+    dk, dv, visited, k_tile, v_tile, q_rows, do_rows, lse2_row_ptr, delta_row_ptr,
+    keys, lo, hi, seqlen_q, diagonal_offset, seqlen_k_b, qk_scale, head_dim, head_dim_v, band, modifiers,
     EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr, Q_TAIL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Accumulate dK ``[BLOCK_N, D]``, dV ``[BLOCK_N, Dv]`` of the resident K/V block over the Q tiles ``[lo, hi)`` of
-    one head.
+    one head (its matrices ``q_rows``/``do_rows``, ``common.head_rows``).
 
     Works on transposed tiles (``S^T = K Q^T``, ``[BLOCK_N, BLOCK_M]``) so that P^T and dS^T come out of the
     dots already in the layout of the left operand of ``P^T dO`` and ``dS^T Q``.
@@ -71,14 +69,8 @@ def _dkdv_stage(
     cols_v = tl.arange(0, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + local_m
-        q_tile = load_tile(
-            tile_pointers(q_head, start_m, local_m, cols, stride_qm, stride_qd), rows, seqlen_q, cols,
-            head_dim, EVEN_D, Q_TAIL,
-        )  # fmt: skip
-        do_tile = load_tile(
-            tile_pointers(do_head, start_m, local_m, cols_v, stride_dom, stride_dod), rows, seqlen_q, cols_v,
-            head_dim_v, EVEN_DV, Q_TAIL,
-        )  # fmt: skip
+        q_tile = load_rows(q_rows, start_m, local_m, cols, seqlen_q, head_dim, EVEN_D, Q_TAIL)
+        do_tile = load_rows(do_rows, start_m, local_m, cols_v, seqlen_q, head_dim_v, EVEN_DV, Q_TAIL)
         # lse2 arrives in base 2 with the empty-row rule applied (the dQ kernel wrote it): a plain load, no
         # per-tile conversion.  Padding rows get lse2 = +inf, so their P is 0.
         if Q_TAIL:
@@ -110,15 +102,15 @@ def _dkdv_stage(
     "window_left", "window_right", "stride_alibi_b", "stride_alibi_h",
 ])  # fmt: skip
 def dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlens_ptr, counts_ptr,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    q_ptr, stride_qb, stride_qh, stride_qm, stride_qd,
+    k_ptr, stride_kb, stride_kh, stride_kn, stride_kd,
+    v_ptr, stride_vb, stride_vh, stride_vn, stride_vd,
+    do_ptr, stride_dob, stride_doh, stride_dom, stride_dod,
+    dk_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    dv_ptr, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    lse2_ptr, delta_ptr, seqlens_ptr, counts_ptr,
     num_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, num_n_blocks, sm_scale, qk_scale, head_dim,
     head_dim_v, window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_DV: tl.constexpr, DV_IS_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
@@ -126,8 +118,9 @@ def dkdv_kernel(
 ):  # fmt: skip
     """dK, dV of one K/V block of one (batch, kv head); grid: 1-d, num_n_blocks * B * Hkv programs.
 
-    For grouped-query attention the program also loops over the ``group_size`` query heads that read this
-    K/V head, summing their contributions in registers.
+    Each tensor arrives as its pointer and four strides; lse2 and Delta (written by the dQ kernel) are contiguous
+    ``[B, H, Nq]``.  For grouped-query attention the program also loops over the ``group_size`` query heads that read
+    this K/V head, summing their contributions in registers.
     Q_TAIL: ``seqlen_q`` is not a multiple of BLOCK_M (the streamed Q-side loads need row predicates).
     Up to three stages over the Q tiles (``common.q_loop_bounds``): the tiles on the right edge (causal diagonal,
     window's right bound) or all of them for a block cut by ``seqlens_k`` (MASK_STAGE: some tile may need the mask,
@@ -143,28 +136,22 @@ def dkdv_kernel(
         stride_dvb = stride_dkb
         stride_dvh = stride_dkh
         stride_dvn = stride_dkn
+    q = (q_ptr, stride_qb, stride_qh, stride_qm, stride_qd)
+    k = (k_ptr, stride_kb, stride_kh, stride_kn, stride_kd)
+    v = (v_ptr, stride_vb, stride_vh, stride_vn, stride_vd)
+    do = (do_ptr, stride_dob, stride_doh, stride_dom, stride_dod)
+    dk_out = (dk_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dkd)
+    dv_out = (dv_ptr, stride_dvb, stride_dvh, stride_dvn, stride_dvd)
     pid = tl.program_id(0)
-    bh_kv = pid // num_n_blocks
-    n_block = pid % num_n_blocks
-    batch = bh_kv // num_kv_heads
-    kv_head = bh_kv % num_kv_heads
-    start_n = n_block * BLOCK_N
-    seqlen_k_b = batch_seqlen_k(seqlens_ptr, batch, seqlen_k, HAS_SEQLENS)
-
+    batch, kv_head, start_n, seqlen_k_b = kv_block_opening(
+        pid, num_n_blocks, num_kv_heads, seqlens_ptr, seqlen_k, BLOCK_N, HAS_SEQLENS
+    )
     local_n = tl.arange(0, BLOCK_N)
     keys = start_n + local_n
     cols = tl.arange(0, BLOCK_D)
     cols_v = tl.arange(0, BLOCK_DV)
-    k_head = head_pointer(k_ptr, batch, kv_head, stride_kb, stride_kh)
-    v_head = head_pointer(v_ptr, batch, kv_head, stride_vb, stride_vh)
-    k_tile = load_tile(
-        tile_pointers(k_head, start_n, local_n, cols, stride_kn, stride_kd), keys, seqlen_k_b, cols,
-        head_dim, EVEN_D, True,
-    )  # fmt: skip
-    v_tile = load_tile(
-        tile_pointers(v_head, start_n, local_n, cols_v, stride_vn, stride_vd), keys, seqlen_k_b, cols_v,
-        head_dim_v, EVEN_DV, True,
-    )  # fmt: skip
+    k_tile = load_rows(head_rows(k, batch, kv_head), start_n, local_n, cols, seqlen_k_b, head_dim, EVEN_D, True)
+    v_tile = load_rows(head_rows(v, batch, kv_head), start_n, local_n, cols_v, seqlen_k_b, head_dim_v, EVEN_DV, True)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
@@ -177,52 +164,35 @@ def dkdv_kernel(
     band = (window_left, window_right)
     for g in range(0, group_size):
         head = kv_head * group_size + g
-        q_head = head_pointer(q_ptr, batch, head, stride_qb, stride_qh)
-        do_head = head_pointer(do_ptr, batch, head, stride_dob, stride_doh)
+        q_rows = head_rows(q, batch, head)
+        do_rows = head_rows(do, batch, head)
         row_offset = (batch * num_heads + head).to(tl.int64) * seqlen_q
+        lse2_row_ptr = lse2_ptr + row_offset
+        delta_row_ptr = delta_ptr + row_offset
         modifiers = (cap_in, cap_out, alibi_slope2(alibi_ptr, batch, head, stride_alibi_b, stride_alibi_h, ALIBI))
         if MASK_STAGE:
             dk, dv, visited = _dkdv_stage(
-                dk, dv, visited, k_tile, v_tile, q_head, do_head, lse2_ptr + row_offset, delta_ptr + row_offset,
-                stride_qm, stride_qd, stride_dom, stride_dod, keys, lo, unmasked_lo, seqlen_q, diagonal_offset,
-                seqlen_k_b, qk_scale, head_dim, head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV,
-                BLOCK_M, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, True, Q_TAIL, DOT_PRECISION,
+                dk, dv, visited, k_tile, v_tile, q_rows, do_rows, lse2_row_ptr, delta_row_ptr,
+                keys, lo, unmasked_lo, seqlen_q, diagonal_offset, seqlen_k_b, qk_scale, head_dim, head_dim_v, band,
+                modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_M, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+                ALIBI, MASKED=True, Q_TAIL=Q_TAIL, DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
         dk, dv, visited = _dkdv_stage(
-            dk, dv, visited, k_tile, v_tile, q_head, do_head, lse2_ptr + row_offset, delta_ptr + row_offset,
-            stride_qm, stride_qd, stride_dom, stride_dod, keys, unmasked_lo, unmasked_hi, seqlen_q, diagonal_offset,
-            seqlen_k_b, qk_scale, head_dim, head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV,
-            BLOCK_M, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, False, Q_TAIL, DOT_PRECISION,
+            dk, dv, visited, k_tile, v_tile, q_rows, do_rows, lse2_row_ptr, delta_row_ptr,
+            keys, unmasked_lo, unmasked_hi, seqlen_q, diagonal_offset, seqlen_k_b, qk_scale, head_dim, head_dim_v,
+            band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_M, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+            ALIBI, MASKED=False, Q_TAIL=Q_TAIL, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
         if WINDOW_LEFT:
             dk, dv, visited = _dkdv_stage(
-                dk, dv, visited, k_tile, v_tile, q_head, do_head, lse2_ptr + row_offset, delta_ptr + row_offset,
-                stride_qm, stride_qd, stride_dom, stride_dod, keys, unmasked_hi, hi, seqlen_q, diagonal_offset,
-                seqlen_k_b, qk_scale, head_dim, head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV,
-                BLOCK_M, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, True, Q_TAIL, DOT_PRECISION,
+                dk, dv, visited, k_tile, v_tile, q_rows, do_rows, lse2_row_ptr, delta_row_ptr,
+                keys, unmasked_hi, hi, seqlen_q, diagonal_offset, seqlen_k_b, qk_scale, head_dim, head_dim_v, band,
+                modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_M, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+                ALIBI, MASKED=True, Q_TAIL=Q_TAIL, DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
 
-    dk_head = head_pointer(dk_ptr, batch, kv_head, stride_dkb, stride_dkh)
-    dv_head = head_pointer(dv_ptr, batch, kv_head, stride_dvb, stride_dvh)
-    dk = dk * sm_scale
-    store_tile(
-        tile_pointers(dk_head, start_n, local_n, cols, stride_dkn, stride_dkd),
-        dk.to(dk_ptr.dtype.element_ty),
-        keys,
-        seqlen_k,
-        cols,
-        head_dim,
-        EVEN_D,
-    )
-    store_tile(
-        tile_pointers(dv_head, start_n, local_n, cols_v, stride_dvn, stride_dvd),
-        dv.to(dv_ptr.dtype.element_ty),
-        keys,
-        seqlen_k,
-        cols_v,
-        head_dim_v,
-        EVEN_DV,
-    )
+    store_rows(head_rows(dk_out, batch, kv_head), dk * sm_scale, start_n, local_n, cols, seqlen_k, head_dim, EVEN_D)
+    store_rows(head_rows(dv_out, batch, kv_head), dv, start_n, local_n, cols_v, seqlen_k, head_dim_v, EVEN_DV)
     if DEBUG:
         total = tl.cdiv(seqlen_q, BLOCK_M) * group_size
         tl.store(counts_ptr + pid * 2, visited)
@@ -231,15 +201,15 @@ def dkdv_kernel(
 
 @triton.jit
 def _dq_stage(
-    dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, k_desc, v_desc, batch, kv_head,
-    stride_kn, stride_kd, stride_vn, stride_vd, rows, lo, hi, diagonal_offset, seqlen_k_b, qk_scale,
-    head_dim, head_dim_v, band, modifiers,
+    dq, visited, q_tile, do_tile, lse2, delta, k_rows, v_rows, k_desc, v_desc, batch, kv_head,
+    rows, lo, hi, diagonal_offset, seqlen_k_b, qk_scale, head_dim, head_dim_v, band, modifiers,
     EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Accumulate (unscaled) dQ ``[BLOCK_M, D]`` of the resident Q block over the K/V tiles ``[lo, hi)``.
+    """Accumulate (unscaled) dQ ``[BLOCK_M, D]`` of the resident Q block over the K/V tiles ``[lo, hi)`` of the
+    matrices ``k_rows``/``v_rows``.
 
     USE_TMA: load K/V through the descriptors ``k_desc``/``v_desc`` (``common.load_kv_tile``); unmasked tiles only.
     """
@@ -249,11 +219,11 @@ def _dq_stage(
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + local_n
         k_tile = load_kv_tile(
-            k_head, k_desc, batch, kv_head, start_n, local_n, cols, stride_kn, stride_kd, seqlen_k_b, head_dim,
+            k_rows, k_desc, batch, kv_head, start_n, local_n, cols, seqlen_k_b, head_dim,
             EVEN_D, MASKED, USE_TMA, BLOCK_N, BLOCK_D,
         )  # fmt: skip
         v_tile = load_kv_tile(
-            v_head, v_desc, batch, kv_head, start_n, local_n, cols_v, stride_vn, stride_vd, seqlen_k_b, head_dim_v,
+            v_rows, v_desc, batch, kv_head, start_n, local_n, cols_v, seqlen_k_b, head_dim_v,
             EVEN_DV, MASKED, USE_TMA, BLOCK_N, BLOCK_DV,
         )  # fmt: skip
         scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
@@ -276,13 +246,13 @@ def _dq_stage(
     "window_right", "stride_alibi_b", "stride_alibi_h",
 ])  # fmt: skip
 def dq_kernel(
-    q_ptr, k_ptr, v_ptr, k_desc, v_desc, o_ptr, do_ptr, lse_ptr, lse2_ptr, delta_ptr, dq_ptr, seqlens_ptr, counts_ptr,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    q_ptr, stride_qb, stride_qh, stride_qm, stride_qd,
+    k_ptr, stride_kb, stride_kh, stride_kn, stride_kd,
+    v_ptr, stride_vb, stride_vh, stride_vn, stride_vd,
+    o_ptr, stride_ob, stride_oh, stride_om, stride_od,
+    do_ptr, stride_dob, stride_doh, stride_dom, stride_dod,
+    dq_ptr, stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    lse_ptr, lse2_ptr, delta_ptr, k_desc, v_desc, seqlens_ptr, counts_ptr,
     num_heads, group_size, seqlen_q, seqlen_k, num_m_blocks, sm_scale, qk_scale, head_dim,
     head_dim_v, window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h,
     EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_DV: tl.constexpr, DV_IS_D: tl.constexpr,
@@ -292,41 +262,34 @@ def dq_kernel(
 ):  # fmt: skip
     """dQ (and Delta, lse2) of one Q block of one (batch, head); grid: 1-d, num_m_blocks * B * H programs.
 
-    The K/V stages are the forward's (``common.kv_loop_bounds``): the window's left edge (WINDOW_LEFT), the unmasked
-    tiles, the right edge or padding (MASK_STAGE).  o and do have v's head dim (``head_dim_v``, tile BLOCK_DV; DV_IS_D:
-    q's, read from ``head_dim``).
+    Each tensor arrives as its pointer and four strides; lse (read), lse2 and Delta (written for the dK/dV kernel)
+    are contiguous ``[B, H, Nq]``.  The K/V stages are the forward's (``common.kv_loop_bounds``): the window's left
+    edge (WINDOW_LEFT), the unmasked tiles, the right edge or padding (MASK_STAGE).  o and do have v's head dim
+    (``head_dim_v``, tile BLOCK_DV; DV_IS_D: q's, read from ``head_dim``).
     USE_TMA: the unmasked stage loads K/V through the descriptors ``k_desc``/``v_desc`` (box ``[BLOCK_N, BLOCK_D]``).
     """
     if DV_IS_D:
         head_dim_v = head_dim
-    pid = tl.program_id(0)
-    bh, m_block, batch, head, kv_head = q_block_program(pid, num_m_blocks, num_heads, group_size, CAUSAL)
-    start_m = m_block * BLOCK_M
-    seqlen_k_b = batch_seqlen_k(seqlens_ptr, batch, seqlen_k, HAS_SEQLENS)
-
+    q = (q_ptr, stride_qb, stride_qh, stride_qm, stride_qd)
+    k = (k_ptr, stride_kb, stride_kh, stride_kn, stride_kd)
+    v = (v_ptr, stride_vb, stride_vh, stride_vn, stride_vd)
+    o = (o_ptr, stride_ob, stride_oh, stride_om, stride_od)
+    do = (do_ptr, stride_dob, stride_doh, stride_dom, stride_dod)
+    dq_out = (dq_ptr, stride_dqb, stride_dqh, stride_dqm, stride_dqd)
+    bh, m_block, batch, head, kv_head, start_m, seqlen_k_b = q_block_opening(
+        tl.program_id(0), num_m_blocks, num_heads, group_size, seqlens_ptr, seqlen_k, BLOCK_M, CAUSAL, HAS_SEQLENS
+    )
     local_m = tl.arange(0, BLOCK_M)
     rows = start_m + local_m
     cols = tl.arange(0, BLOCK_D)
     cols_v = tl.arange(0, BLOCK_DV)
-    q_head = head_pointer(q_ptr, batch, head, stride_qb, stride_qh)
-    do_head = head_pointer(do_ptr, batch, head, stride_dob, stride_doh)
-    k_head = head_pointer(k_ptr, batch, kv_head, stride_kb, stride_kh)
-    v_head = head_pointer(v_ptr, batch, kv_head, stride_vb, stride_vh)
-    q_tile = load_tile(
-        tile_pointers(q_head, start_m, local_m, cols, stride_qm, stride_qd), rows, seqlen_q, cols,
-        head_dim, EVEN_D, True,
-    )  # fmt: skip
-    do_tile = load_tile(
-        tile_pointers(do_head, start_m, local_m, cols_v, stride_dom, stride_dod), rows, seqlen_q, cols_v,
-        head_dim_v, EVEN_DV, True,
-    )  # fmt: skip
+    k_rows = head_rows(k, batch, kv_head)
+    v_rows = head_rows(v, batch, kv_head)
+    q_tile = load_rows(head_rows(q, batch, head), start_m, local_m, cols, seqlen_q, head_dim, EVEN_D, True)
+    do_tile = load_rows(head_rows(do, batch, head), start_m, local_m, cols_v, seqlen_q, head_dim_v, EVEN_DV, True)
     # Delta_i = rowsum(dO_i * O_i), from the dO tile already resident: one more [BLOCK_M, Dv] load per program
     # instead of a separate pass over O and dO.  Stored for the dK/dV kernel, which runs after this one.
-    o_head = head_pointer(o_ptr, batch, head, stride_ob, stride_oh)
-    o_tile = load_tile(
-        tile_pointers(o_head, start_m, local_m, cols_v, stride_om, stride_od), rows, seqlen_q, cols_v,
-        head_dim_v, EVEN_DV, True,
-    )  # fmt: skip
+    o_tile = load_rows(head_rows(o, batch, head), start_m, local_m, cols_v, seqlen_q, head_dim_v, EVEN_DV, True)
     delta = row_delta(o_tile, do_tile)
     row_offset = as_int64(bh) * seqlen_q
     tl.store(delta_ptr + row_offset + rows, delta, mask=rows < seqlen_q)
@@ -344,34 +307,25 @@ def dq_kernel(
     modifiers = (cap_in, cap_out, alibi_slope2(alibi_ptr, batch, head, stride_alibi_b, stride_alibi_h, ALIBI))
     if WINDOW_LEFT:
         dq, visited = _dq_stage(
-            dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, k_desc, v_desc, batch, kv_head,
-            stride_kn, stride_kd, stride_vn, stride_vd, rows, start, unmasked_start, diagonal_offset, seqlen_k_b,
-            qk_scale, head_dim, head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N,
-            CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, True, False, DOT_PRECISION,
+            dq, visited, q_tile, do_tile, lse2, delta, k_rows, v_rows, k_desc, v_desc, batch, kv_head,
+            rows, start, unmasked_start, diagonal_offset, seqlen_k_b, qk_scale, head_dim, head_dim_v, band, modifiers,
+            EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI,
+            MASKED=True, USE_TMA=False, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
     dq, visited = _dq_stage(
-        dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, k_desc, v_desc, batch, kv_head,
-        stride_kn, stride_kd, stride_vn, stride_vd, rows, unmasked_start, unmasked_end, diagonal_offset, seqlen_k_b,
-        qk_scale, head_dim, head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N,
-        CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, False, USE_TMA, DOT_PRECISION,
+        dq, visited, q_tile, do_tile, lse2, delta, k_rows, v_rows, k_desc, v_desc, batch, kv_head,
+        rows, unmasked_start, unmasked_end, diagonal_offset, seqlen_k_b, qk_scale, head_dim, head_dim_v, band,
+        modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI,
+        MASKED=False, USE_TMA=USE_TMA, DOT_PRECISION=DOT_PRECISION,
     )  # fmt: skip
     if MASK_STAGE:
         dq, visited = _dq_stage(
-            dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, k_desc, v_desc, batch, kv_head,
-            stride_kn, stride_kd, stride_vn, stride_vd, rows, unmasked_end, end, diagonal_offset, seqlen_k_b,
-            qk_scale, head_dim, head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N,
-            CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, True, False, DOT_PRECISION,
+            dq, visited, q_tile, do_tile, lse2, delta, k_rows, v_rows, k_desc, v_desc, batch, kv_head,
+            rows, unmasked_end, end, diagonal_offset, seqlen_k_b, qk_scale, head_dim, head_dim_v, band, modifiers,
+            EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI,
+            MASKED=True, USE_TMA=False, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
-    dq_head = head_pointer(dq_ptr, batch, head, stride_dqb, stride_dqh)
-    store_tile(
-        tile_pointers(dq_head, start_m, local_m, cols, stride_dqm, stride_dqd),
-        (dq * sm_scale).to(dq_ptr.dtype.element_ty),
-        rows,
-        seqlen_q,
-        cols,
-        head_dim,
-        EVEN_D,
-    )
+    store_rows(head_rows(dq_out, batch, head), dq * sm_scale, start_m, local_m, cols, seqlen_q, head_dim, EVEN_D)
     if DEBUG:
         program = bh * num_m_blocks + m_block
         total = tl.cdiv(seqlen_k, BLOCK_N)
@@ -412,9 +366,9 @@ def attention_backward_2kernel(
         num_n_blocks = num_blocks(Nk, cfg.block_n)
         programs = num_n_blocks * B * Hkv
         dkdv_kernel[grid_1d(programs)](
-            q, k, v, do, lse2, delta, dk, dv, call.seqlens, call.counts_for(KernelVariant.DKDV, programs),
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
-            H, Hkv, call.group_size, Nq, Nk, num_n_blocks, call.scale, qk_scale, D, *modifiers.args, *dv.stride(),
+            *tensor_args(q), *tensor_args(k), *tensor_args(v), *tensor_args(do), *tensor_args(dk), *tensor_args(dv),
+            lse2, delta, call.seqlens, call.counts_for(KernelVariant.DKDV, programs),
+            H, Hkv, call.group_size, Nq, Nk, num_n_blocks, call.scale, qk_scale, D, *modifiers.args,
             EVEN_D=call.even_d, BLOCK_D=call.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=call.causal, HAS_SEQLENS=call.has_seqlens, Q_TAIL=Nq % cfg.block_m != 0,
             MASK_STAGE=call.mask_stage_needed(cfg.block_n), DOT_PRECISION=call.dot_precision, DEBUG=call.debug,
@@ -426,9 +380,8 @@ def attention_backward_2kernel(
         use_tma, k_desc, v_desc = call.kv_tile_descriptors(cfg)
         programs = num_m_blocks * B * H
         dq_kernel[grid_1d(programs)](
-            q, k, v, k_desc, v_desc, o, do, lse, lse2, delta, dq, call.seqlens,
-            call.counts_for(KernelVariant.DQ, programs),
-            *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(),
+            *tensor_args(q), *tensor_args(k), *tensor_args(v), *tensor_args(o), *tensor_args(do), *tensor_args(dq),
+            lse, lse2, delta, k_desc, v_desc, call.seqlens, call.counts_for(KernelVariant.DQ, programs),
             H, call.group_size, Nq, Nk, num_m_blocks, call.scale, qk_scale, D, *modifiers.args,
             EVEN_D=call.even_d, BLOCK_D=call.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=call.causal, HAS_SEQLENS=call.has_seqlens, MASK_STAGE=call.mask_stage_needed(cfg.block_n),

@@ -24,19 +24,18 @@ from .common import (
     LOG2E,
     alibi_slope2,
     as_int64,
-    batch_seqlen_k,
-    head_pointer,
+    head_rows,
     kv_loop_bounds,
     load_lse2,
-    load_tile,
-    q_block_program,
+    load_rows,
+    q_block_opening,
     recompute_tile_p,
     row_delta,
-    store_tile,
+    store_rows,
     tile_in_bounds,
     tile_pointers,
 )
-from .launch import KernelVariant, PreparedCall, _placeholder, grid_1d, int32_addressable, num_blocks, run
+from .launch import KernelVariant, PreparedCall, _placeholder, grid_1d, int32_addressable, num_blocks, run, tensor_args
 from .tuning import INTERPRETER_CONFIG
 
 DELTA_MODES = ("recompute", "preprocess")
@@ -46,29 +45,17 @@ PREPROCESS_BLOCK_M = 64
 # Sizes vary per call: no per-value specialisation (one compiled kernel per tile shape, dtype and flags).
 @triton.jit(do_not_specialize=["head_dim", "num_heads", "seqlen_q", "num_m_blocks"])
 def delta_preprocess_kernel(
-    o_ptr,
-    do_ptr,
-    delta_ptr,
-    stride_ob,
-    stride_oh,
-    stride_om,
-    stride_od,
-    stride_dob,
-    stride_doh,
-    stride_dom,
-    stride_dod,
-    num_heads,
-    seqlen_q,
-    num_m_blocks,
-    head_dim,
-    EVEN_D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
+    o_ptr, stride_ob, stride_oh, stride_om, stride_od,
+    do_ptr, stride_dob, stride_doh, stride_dom, stride_dod,
+    delta_ptr, num_heads, seqlen_q, num_m_blocks, head_dim,
+    EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
     """``delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d]`` in float32; delta is contiguous ``[B, H, Nq]``.
 
     (``head_dim``/BLOCK_D are those of o and do: v's head dim.)
     """
+    o = (o_ptr, stride_ob, stride_oh, stride_om, stride_od)
+    do = (do_ptr, stride_dob, stride_doh, stride_dom, stride_dod)
     pid = tl.program_id(0)
     bh = pid // num_m_blocks
     start_m = (pid % num_m_blocks) * BLOCK_M
@@ -77,16 +64,8 @@ def delta_preprocess_kernel(
     local_m = tl.arange(0, BLOCK_M)
     rows = start_m + local_m
     cols = tl.arange(0, BLOCK_D)
-    o_head = head_pointer(o_ptr, batch, head, stride_ob, stride_oh)
-    do_head = head_pointer(do_ptr, batch, head, stride_dob, stride_doh)
-    o_tile = load_tile(
-        tile_pointers(o_head, start_m, local_m, cols, stride_om, stride_od), rows, seqlen_q, cols,
-        head_dim, EVEN_D, True,
-    )  # fmt: skip
-    do_tile = load_tile(
-        tile_pointers(do_head, start_m, local_m, cols, stride_dom, stride_dod), rows, seqlen_q, cols,
-        head_dim, EVEN_D, True,
-    )  # fmt: skip
+    o_tile = load_rows(head_rows(o, batch, head), start_m, local_m, cols, seqlen_q, head_dim, EVEN_D, True)
+    do_tile = load_rows(head_rows(do, batch, head), start_m, local_m, cols, seqlen_q, head_dim, EVEN_D, True)
     delta = row_delta(o_tile, do_tile)
     tl.store(delta_ptr + as_int64(bh) * seqlen_q + rows, delta, mask=rows < seqlen_q)
 
@@ -101,7 +80,7 @@ def compute_delta(call: PreparedCall, o: torch.Tensor, do: torch.Tensor) -> torc
     block_m = INTERPRETER_CONFIG.block_m if triton_interpreter_active() else PREPROCESS_BLOCK_M
     num_m_blocks = num_blocks(Nq, block_m)
     delta_preprocess_kernel[grid_1d(num_m_blocks * B * H)](
-        o, do, delta, *o.stride(), *do.stride(), H, Nq, num_m_blocks,
+        *tensor_args(o), *tensor_args(do), delta, H, Nq, num_m_blocks,
         head_dim=Dv, EVEN_D=call.modifiers.flags["EVEN_DV"], BLOCK_D=call.block_dv, BLOCK_M=block_m, num_warps=4,
     )  # fmt: skip
     return delta
@@ -109,7 +88,7 @@ def compute_delta(call: PreparedCall, o: torch.Tensor, do: torch.Tensor) -> torc
 
 @triton.jit
 def _delta_recompute_stage(
-    delta, q_tile, do_tile, lse2, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
+    delta, q_tile, do_tile, lse2, k_rows, v_rows,
     rows, lo, hi, diagonal_offset, seqlen_k_b, qk_scale, head_dim, head_dim_v, band, modifiers,
     EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
@@ -122,14 +101,8 @@ def _delta_recompute_stage(
     cols_v = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + local_n
-        k_tile = load_tile(
-            tile_pointers(k_head, start_n, local_n, cols, stride_kn, stride_kd), keys, seqlen_k_b, cols,
-            head_dim, EVEN_D, MASKED,
-        )  # fmt: skip
-        v_tile = load_tile(
-            tile_pointers(v_head, start_n, local_n, cols_v, stride_vn, stride_vd), keys, seqlen_k_b, cols_v,
-            head_dim_v, EVEN_DV, MASKED,
-        )  # fmt: skip
+        k_tile = load_rows(k_rows, start_n, local_n, cols, seqlen_k_b, head_dim, EVEN_D, MASKED)
+        v_tile = load_rows(v_rows, start_n, local_n, cols_v, seqlen_k_b, head_dim_v, EVEN_DV, MASKED)
         scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
         dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=DOT_PRECISION)
         p, _dcap = recompute_tile_p(
@@ -142,27 +115,23 @@ def _delta_recompute_stage(
 
 @triton.jit
 def _atomic_stage(
-    dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, dk_head, dv_head,
-    stride_kn, stride_kd, stride_vn, stride_vd, stride_accn, stride_dv_accn, rows, lo, hi, diagonal_offset,
-    seqlen_k, seqlen_k_b, sm_scale, qk_scale, head_dim, head_dim_v, band, modifiers,
+    dq, visited, q_tile, do_tile, lse2, delta, k_rows, v_rows, dk_acc_rows, dv_acc_rows,
+    rows, lo, hi, diagonal_offset, seqlen_k, seqlen_k_b, sm_scale, qk_scale, head_dim, head_dim_v, band, modifiers,
     EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """dQ in registers, dK/dV contributions of every K/V tile in ``[lo, hi)`` added atomically."""
+    """dQ in registers, dK/dV contributions of every K/V tile in ``[lo, hi)`` added atomically into the float32
+    matrices ``dk_acc_rows``/``dv_acc_rows`` (``common.head_rows`` of the accumulators)."""
     local_n = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
     cols_v = tl.arange(0, BLOCK_DV)
+    dk_acc_head, dk_acc_stride_n, dk_acc_stride_d = dk_acc_rows
+    dv_acc_head, dv_acc_stride_n, dv_acc_stride_d = dv_acc_rows
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + local_n
-        k_tile = load_tile(
-            tile_pointers(k_head, start_n, local_n, cols, stride_kn, stride_kd), keys, seqlen_k_b, cols,
-            head_dim, EVEN_D, MASKED,
-        )  # fmt: skip
-        v_tile = load_tile(
-            tile_pointers(v_head, start_n, local_n, cols_v, stride_vn, stride_vd), keys, seqlen_k_b, cols_v,
-            head_dim_v, EVEN_DV, MASKED,
-        )  # fmt: skip
+        k_tile = load_rows(k_rows, start_n, local_n, cols, seqlen_k_b, head_dim, EVEN_D, MASKED)
+        v_tile = load_rows(v_rows, start_n, local_n, cols_v, seqlen_k_b, head_dim_v, EVEN_DV, MASKED)
         scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
         dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=DOT_PRECISION)
         p, dcap = recompute_tile_p(
@@ -175,16 +144,15 @@ def _atomic_stage(
         dq = tl.dot(ds.to(k_tile.dtype), k_tile, dq, input_precision=DOT_PRECISION)
         dv_part = tl.dot(tl.trans(p.to(do_tile.dtype)), do_tile, input_precision=DOT_PRECISION)
         dk_part = tl.dot(tl.trans(ds.to(q_tile.dtype)), q_tile, input_precision=DOT_PRECISION) * sm_scale
-        # The float32 accumulators are contiguous [B, Hkv, Nk, D] and [B, Hkv, Nk, Dv]; rows past Nk do not exist.
-        offsets = as_int64(start_n) * stride_accn + local_n[:, None] * stride_accn + cols[None, :]
-        dv_offsets = as_int64(start_n) * stride_dv_accn + local_n[:, None] * stride_dv_accn + cols_v[None, :]
+        # The accumulators are [B, Hkv, Nk, D(v)]: rows past Nk do not exist (keys past seqlens_k add zeros).
         tl.atomic_add(
-            dv_head + dv_offsets, dv_part, mask=tile_in_bounds(keys, seqlen_k, cols_v, head_dim_v, EVEN_DV),
-            sem="relaxed",
+            tile_pointers(dv_acc_head, start_n, local_n, cols_v, dv_acc_stride_n, dv_acc_stride_d), dv_part,
+            mask=tile_in_bounds(keys, seqlen_k, cols_v, head_dim_v, EVEN_DV), sem="relaxed",
         )  # fmt: skip
         tl.atomic_add(
-            dk_head + offsets, dk_part, mask=tile_in_bounds(keys, seqlen_k, cols, head_dim, EVEN_D), sem="relaxed"
-        )
+            tile_pointers(dk_acc_head, start_n, local_n, cols, dk_acc_stride_n, dk_acc_stride_d), dk_part,
+            mask=tile_in_bounds(keys, seqlen_k, cols, head_dim, EVEN_D), sem="relaxed",
+        )  # fmt: skip
         visited += 1
     return dq, visited
 
@@ -195,16 +163,16 @@ def _atomic_stage(
     "window_right", "stride_alibi_b", "stride_alibi_h",
 ])  # fmt: skip
 def atomic_backward_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_acc_ptr, dv_acc_ptr, seqlens_ptr, counts_ptr,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    stride_accb, stride_acch, stride_accn,
+    q_ptr, stride_qb, stride_qh, stride_qm, stride_qd,
+    k_ptr, stride_kb, stride_kh, stride_kn, stride_kd,
+    v_ptr, stride_vb, stride_vh, stride_vn, stride_vd,
+    do_ptr, stride_dob, stride_doh, stride_dom, stride_dod,
+    dq_ptr, stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    dk_acc_ptr, stride_dk_accb, stride_dk_acch, stride_dk_accn, stride_dk_accd,
+    dv_acc_ptr, stride_dv_accb, stride_dv_acch, stride_dv_accn, stride_dv_accd,
+    lse_ptr, delta_ptr, seqlens_ptr, counts_ptr,
     num_heads, group_size, seqlen_q, seqlen_k, num_m_blocks, sm_scale, qk_scale, head_dim,
     head_dim_v, window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h,
-    stride_dv_accb, stride_dv_acch, stride_dv_accn,
     EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_DV: tl.constexpr, DV_IS_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
@@ -212,39 +180,38 @@ def atomic_backward_kernel(
 ):  # fmt: skip
     """dQ of one Q block and its dK/dV contributions; grid: 1-d, num_m_blocks * B * H programs.
 
-    The K/V stages are the forward's (``common.kv_loop_bounds``): the window's left edge (WINDOW_LEFT), the unmasked
-    tiles, the right edge or padding (MASK_STAGE); a stage that cannot run is not compiled.  do and v have their own
-    head dim (``head_dim_v``; DV_IS_D: q's, read from ``head_dim``, and the dV accumulator takes dK's strides).
+    Each tensor arrives as its pointer and four strides (the float32 accumulators ``dk_acc``/``dv_acc`` too); lse
+    and Delta are contiguous ``[B, H, Nq]``.  The K/V stages are the forward's (``common.kv_loop_bounds``): the
+    window's left edge (WINDOW_LEFT), the unmasked tiles, the right edge or padding (MASK_STAGE); a stage that cannot
+    run is not compiled.  do and v have their own head dim (``head_dim_v``; DV_IS_D: q's, read from ``head_dim``, and
+    the dV accumulator takes dK's strides).
     DEBUG writes (visited, skipped) K/V tile counts of the main (atomic) pass.
     """
     if DV_IS_D:
         head_dim_v = head_dim
-        stride_dv_accb = stride_accb
-        stride_dv_acch = stride_acch
-        stride_dv_accn = stride_accn
-    pid = tl.program_id(0)
-    bh, m_block, batch, head, kv_head = q_block_program(pid, num_m_blocks, num_heads, group_size, CAUSAL)
-    start_m = m_block * BLOCK_M
-    seqlen_k_b = batch_seqlen_k(seqlens_ptr, batch, seqlen_k, HAS_SEQLENS)
-
+        stride_dv_accb = stride_dk_accb
+        stride_dv_acch = stride_dk_acch
+        stride_dv_accn = stride_dk_accn
+    q = (q_ptr, stride_qb, stride_qh, stride_qm, stride_qd)
+    k = (k_ptr, stride_kb, stride_kh, stride_kn, stride_kd)
+    v = (v_ptr, stride_vb, stride_vh, stride_vn, stride_vd)
+    do = (do_ptr, stride_dob, stride_doh, stride_dom, stride_dod)
+    dq_out = (dq_ptr, stride_dqb, stride_dqh, stride_dqm, stride_dqd)
+    dk_acc = (dk_acc_ptr, stride_dk_accb, stride_dk_acch, stride_dk_accn, stride_dk_accd)
+    dv_acc = (dv_acc_ptr, stride_dv_accb, stride_dv_acch, stride_dv_accn, stride_dv_accd)
+    bh, m_block, batch, head, kv_head, start_m, seqlen_k_b = q_block_opening(
+        tl.program_id(0), num_m_blocks, num_heads, group_size, seqlens_ptr, seqlen_k, BLOCK_M, CAUSAL, HAS_SEQLENS
+    )
     local_m = tl.arange(0, BLOCK_M)
     rows = start_m + local_m
     cols = tl.arange(0, BLOCK_D)
     cols_v = tl.arange(0, BLOCK_DV)
-    q_head = head_pointer(q_ptr, batch, head, stride_qb, stride_qh)
-    do_head = head_pointer(do_ptr, batch, head, stride_dob, stride_doh)
-    k_head = head_pointer(k_ptr, batch, kv_head, stride_kb, stride_kh)
-    v_head = head_pointer(v_ptr, batch, kv_head, stride_vb, stride_vh)
-    dk_head = head_pointer(dk_acc_ptr, batch, kv_head, stride_accb, stride_acch)
-    dv_head = head_pointer(dv_acc_ptr, batch, kv_head, stride_dv_accb, stride_dv_acch)
-    q_tile = load_tile(
-        tile_pointers(q_head, start_m, local_m, cols, stride_qm, stride_qd), rows, seqlen_q, cols,
-        head_dim, EVEN_D, True,
-    )  # fmt: skip
-    do_tile = load_tile(
-        tile_pointers(do_head, start_m, local_m, cols_v, stride_dom, stride_dod), rows, seqlen_q, cols_v,
-        head_dim_v, EVEN_DV, True,
-    )  # fmt: skip
+    k_rows = head_rows(k, batch, kv_head)
+    v_rows = head_rows(v, batch, kv_head)
+    dk_acc_rows = head_rows(dk_acc, batch, kv_head)
+    dv_acc_rows = head_rows(dv_acc, batch, kv_head)
+    q_tile = load_rows(head_rows(q, batch, head), start_m, local_m, cols, seqlen_q, head_dim, EVEN_D, True)
+    do_tile = load_rows(head_rows(do, batch, head), start_m, local_m, cols_v, seqlen_q, head_dim_v, EVEN_DV, True)
     row_offset = as_int64(bh) * seqlen_q
     lse2 = load_lse2(lse_ptr + row_offset + rows, rows, seqlen_q, True)
     start, unmasked_start, unmasked_end, end = kv_loop_bounds(
@@ -259,23 +226,20 @@ def atomic_backward_kernel(
         delta = tl.zeros([BLOCK_M], tl.float32)
         if WINDOW_LEFT:
             delta = _delta_recompute_stage(
-                delta, q_tile, do_tile, lse2, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
-                rows, start, unmasked_start, diagonal_offset, seqlen_k_b, qk_scale, head_dim, head_dim_v, band,
-                modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
-                SOFTCAP, ALIBI, True, DOT_PRECISION,
+                delta, q_tile, do_tile, lse2, k_rows, v_rows, rows, start, unmasked_start, diagonal_offset,
+                seqlen_k_b, qk_scale, head_dim, head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV,
+                BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, MASKED=True, DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
         delta = _delta_recompute_stage(
-            delta, q_tile, do_tile, lse2, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
-            rows, unmasked_start, unmasked_end, diagonal_offset, seqlen_k_b, qk_scale, head_dim, head_dim_v, band,
-            modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
-            SOFTCAP, ALIBI, False, DOT_PRECISION,
+            delta, q_tile, do_tile, lse2, k_rows, v_rows, rows, unmasked_start, unmasked_end, diagonal_offset,
+            seqlen_k_b, qk_scale, head_dim, head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV,
+            BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, MASKED=False, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
         if MASK_STAGE:
             delta = _delta_recompute_stage(
-                delta, q_tile, do_tile, lse2, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
-                rows, unmasked_end, end, diagonal_offset, seqlen_k_b, qk_scale, head_dim, head_dim_v, band,
-                modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
-                SOFTCAP, ALIBI, True, DOT_PRECISION,
+                delta, q_tile, do_tile, lse2, k_rows, v_rows, rows, unmasked_end, end, diagonal_offset,
+                seqlen_k_b, qk_scale, head_dim, head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV,
+                BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, MASKED=True, DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
     else:
         delta = tl.load(delta_ptr + row_offset + rows, mask=rows < seqlen_q, other=0.0)
@@ -284,37 +248,25 @@ def atomic_backward_kernel(
     visited = tl.zeros([], tl.int32)
     if WINDOW_LEFT:
         dq, visited = _atomic_stage(
-            dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, dk_head, dv_head,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_accn, stride_dv_accn, rows, start, unmasked_start,
-            diagonal_offset, seqlen_k, seqlen_k_b, sm_scale, qk_scale, head_dim, head_dim_v, band, modifiers,
-            EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, True,
-            DOT_PRECISION,
+            dq, visited, q_tile, do_tile, lse2, delta, k_rows, v_rows, dk_acc_rows, dv_acc_rows,
+            rows, start, unmasked_start, diagonal_offset, seqlen_k, seqlen_k_b, sm_scale, qk_scale, head_dim,
+            head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N, CAUSAL, WINDOW_LEFT,
+            WINDOW_RIGHT, SOFTCAP, ALIBI, MASKED=True, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
     dq, visited = _atomic_stage(
-        dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, dk_head, dv_head,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_accn, stride_dv_accn, rows, unmasked_start, unmasked_end,
-        diagonal_offset, seqlen_k, seqlen_k_b, sm_scale, qk_scale, head_dim, head_dim_v, band, modifiers,
-        EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, False,
-        DOT_PRECISION,
+        dq, visited, q_tile, do_tile, lse2, delta, k_rows, v_rows, dk_acc_rows, dv_acc_rows,
+        rows, unmasked_start, unmasked_end, diagonal_offset, seqlen_k, seqlen_k_b, sm_scale, qk_scale, head_dim,
+        head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N, CAUSAL, WINDOW_LEFT,
+        WINDOW_RIGHT, SOFTCAP, ALIBI, MASKED=False, DOT_PRECISION=DOT_PRECISION,
     )  # fmt: skip
     if MASK_STAGE:
         dq, visited = _atomic_stage(
-            dq, visited, q_tile, do_tile, lse2, delta, k_head, v_head, dk_head, dv_head,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_accn, stride_dv_accn, rows, unmasked_end, end,
-            diagonal_offset, seqlen_k, seqlen_k_b, sm_scale, qk_scale, head_dim, head_dim_v, band, modifiers,
-            EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, True,
-            DOT_PRECISION,
+            dq, visited, q_tile, do_tile, lse2, delta, k_rows, v_rows, dk_acc_rows, dv_acc_rows,
+            rows, unmasked_end, end, diagonal_offset, seqlen_k, seqlen_k_b, sm_scale, qk_scale, head_dim,
+            head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N, CAUSAL, WINDOW_LEFT,
+            WINDOW_RIGHT, SOFTCAP, ALIBI, MASKED=True, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
-    dq_head = head_pointer(dq_ptr, batch, head, stride_dqb, stride_dqh)
-    store_tile(
-        tile_pointers(dq_head, start_m, local_m, cols, stride_dqm, stride_dqd),
-        (dq * sm_scale).to(dq_ptr.dtype.element_ty),
-        rows,
-        seqlen_q,
-        cols,
-        head_dim,
-        EVEN_D,
-    )
+    store_rows(head_rows(dq_out, batch, head), dq * sm_scale, start_m, local_m, cols, seqlen_q, head_dim, EVEN_D)
     if DEBUG:
         program = bh * num_m_blocks + m_block
         total = tl.cdiv(seqlen_k, BLOCK_N)
@@ -354,10 +306,9 @@ def attention_backward_atomic(
         num_m_blocks = num_blocks(Nq, cfg.block_m)
         programs = num_m_blocks * B * H
         atomic_backward_kernel[grid_1d(programs)](
-            q, k, v, do, lse, delta, dq, dk_acc, dv_acc, call.seqlens, call.counts_for(variant, programs),
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk_acc.stride()[:3],
+            *tensor_args(q), *tensor_args(k), *tensor_args(v), *tensor_args(do), *tensor_args(dq),
+            *tensor_args(dk_acc), *tensor_args(dv_acc), lse, delta, call.seqlens, call.counts_for(variant, programs),
             H, call.group_size, Nq, Nk, num_m_blocks, call.scale, call.scale * LOG2E, D, *modifiers.args,
-            *dv_acc.stride()[:3],
             EVEN_D=call.even_d, BLOCK_D=call.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=call.causal, HAS_SEQLENS=call.has_seqlens, DELTA_RECOMPUTE=recompute,
             MASK_STAGE=call.mask_stage_needed(cfg.block_n), DOT_PRECISION=call.dot_precision, DEBUG=call.debug,

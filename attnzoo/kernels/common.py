@@ -18,6 +18,12 @@ Conventions used by every kernel:
   too large for that to contiguous memory first (`launch.int32_addressable`).
 - K/V tiles are loaded only up to ``seqlen_k_b`` (the batch's key count): keys past it are read as zeros, so
   whatever memory holds there (even NaN) never reaches ``P @ V``.
+- A kernel takes each ``[B, H, N, D]`` tensor as its pointer followed by its four strides (``launch.tensor_args``
+  on the host) and regroups them into a tuple ``(ptr, stride_b, stride_h, stride_n, stride_d)``; ``head_rows``
+  picks one (batch, head) matrix of it, ``(base, stride_n, stride_d)``, which ``load_rows``/``store_rows`` and the
+  stages take.  Every kernel opens the same way: its program id names a block of one (batch, head)
+  (``q_block_opening`` for the Q-stationary grids, ``kv_block_opening`` for the K/V-stationary one), then the
+  matrices of that (batch, head), then the resident tiles.
 """
 
 from __future__ import annotations
@@ -39,6 +45,14 @@ def as_int64(x):
 def head_pointer(ptr, batch, head, stride_b, stride_h):
     """Base pointer of one (batch, head) matrix, with int64 offsets (tensors of more than 2^31 elements)."""
     return ptr + as_int64(batch) * stride_b + as_int64(head) * stride_h
+
+
+@triton.jit
+def head_rows(tensor, batch, head):
+    """One (batch, head) matrix of a ``[B, H, N, D]`` tensor ``(ptr, stride_b, stride_h, stride_n, stride_d)`` ->
+    ``(base, stride_n, stride_d)``, the base offset in int64."""
+    ptr, stride_b, stride_h, stride_n, stride_d = tensor
+    return head_pointer(ptr, batch, head, stride_b, stride_h), stride_n, stride_d
 
 
 @triton.jit
@@ -85,8 +99,29 @@ def load_tile(ptrs, rows, row_limit, cols, head_dim, EVEN_D: tl.constexpr, CHECK
 
 
 @triton.jit
+def load_rows(matrix, start, local_rows, cols, row_limit, head_dim, EVEN_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """The tile of rows ``start + local_rows`` of a ``head_rows`` matrix (``load_tile``'s masking)."""
+    base, stride_n, stride_d = matrix
+    return load_tile(
+        tile_pointers(base, start, local_rows, cols, stride_n, stride_d), start + local_rows, row_limit, cols,
+        head_dim, EVEN_D, CHECK_ROWS,
+    )  # fmt: skip
+
+
+@triton.jit
+def store_rows(matrix, value, start, local_rows, cols, row_limit, head_dim, EVEN_D: tl.constexpr):
+    """Store ``value`` (cast to the matrix's dtype) as the rows ``start + local_rows`` of a ``head_rows`` matrix,
+    skipping rows ``>= row_limit`` and columns ``>= head_dim``."""
+    base, stride_n, stride_d = matrix
+    store_tile(
+        tile_pointers(base, start, local_rows, cols, stride_n, stride_d), value.to(base.dtype.element_ty),
+        start + local_rows, row_limit, cols, head_dim, EVEN_D,
+    )  # fmt: skip
+
+
+@triton.jit
 def load_kv_tile(
-    head, desc, batch, kv_head, start_n, local_n, cols, stride_n, stride_d, seqlen_k_b, head_dim,
+    matrix, desc, batch, kv_head, start_n, local_n, cols, seqlen_k_b, head_dim,
     EVEN_D: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """The ``[BLOCK_N, BLOCK_D]`` K or V tile of keys ``start_n + local_n`` of one (batch, kv head).
@@ -94,15 +129,12 @@ def load_kv_tile(
     USE_TMA: one asynchronous copy through the descriptor ``desc`` (a ``[1, 1, BLOCK_N, BLOCK_D]`` box): the copy
     engine addresses it, so no pointer tensor is kept in registers.  Only for tiles that need no mask (not MASKED):
     a descriptor zero-fills rows past Nk, but not keys past ``seqlens_k[b]``, which must read as zeros.  Otherwise
-    pointer loads from ``head``; MASKED: keys ``>= seqlen_k_b`` read as zeros.
+    pointer loads from the ``head_rows`` matrix; MASKED: keys ``>= seqlen_k_b`` read as zeros.
     """
     if USE_TMA:
         tile = desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
     else:
-        tile = load_tile(
-            tile_pointers(head, start_n, local_n, cols, stride_n, stride_d), start_n + local_n, seqlen_k_b, cols,
-            head_dim, EVEN_D, MASKED,
-        )  # fmt: skip
+        tile = load_rows(matrix, start_n, local_n, cols, seqlen_k_b, head_dim, EVEN_D, MASKED)
     return tile
 
 
@@ -157,6 +189,31 @@ def q_block_program(pid, num_m_blocks, num_heads, group_size, CAUSAL: tl.constex
     batch = bh // num_heads
     head = bh % num_heads
     return bh, m_block, batch, head, head // group_size
+
+
+@triton.jit
+def q_block_opening(
+    pid, num_m_blocks, num_heads, group_size, seqlens_ptr, seqlen_k,
+    BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+):  # fmt: skip
+    """The opening of a Q-stationary program (the forward, the dQ kernel, the atomic backward) ->
+    ``(bh, m_block, batch, head, kv_head, start_m, seqlen_k_b)``: its block (``q_block_program``), the block's first
+    row, and the number of keys its batch may see (``batch_seqlen_k``)."""
+    bh, m_block, batch, head, kv_head = q_block_program(pid, num_m_blocks, num_heads, group_size, CAUSAL)
+    seqlen_k_b = batch_seqlen_k(seqlens_ptr, batch, seqlen_k, HAS_SEQLENS)
+    return bh, m_block, batch, head, kv_head, m_block * BLOCK_M, seqlen_k_b
+
+
+@triton.jit
+def kv_block_opening(
+    pid, num_n_blocks, num_kv_heads, seqlens_ptr, seqlen_k, BLOCK_N: tl.constexpr, HAS_SEQLENS: tl.constexpr
+):
+    """The opening of a K/V-stationary program (the dK/dV kernel; grid num_n_blocks * B * Hkv) ->
+    ``(batch, kv_head, start_n, seqlen_k_b)``.  Consecutive programs share a (batch, kv head)."""
+    bh_kv = pid // num_n_blocks
+    batch = bh_kv // num_kv_heads
+    seqlen_k_b = batch_seqlen_k(seqlens_ptr, batch, seqlen_k, HAS_SEQLENS)
+    return batch, bh_kv % num_kv_heads, (pid % num_n_blocks) * BLOCK_N, seqlen_k_b
 
 
 @triton.jit

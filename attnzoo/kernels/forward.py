@@ -20,34 +20,32 @@ from .common import (
     LOG2E,
     alibi_slope2,
     as_int64,
-    batch_seqlen_k,
-    head_pointer,
+    head_rows,
     key_visible,
     kv_loop_bounds,
     load_kv_tile,
-    load_tile,
+    load_rows,
     modified_scores,
     online_softmax_step,
-    q_block_program,
-    store_tile,
-    tile_pointers,
+    q_block_opening,
+    store_rows,
 )
 from .forward_gluon import attention_forward_hopper
 from .gluon_hopper import record_compile_failure
-from .launch import KernelVariant, PreparedCall, grid_1d, num_blocks, run
+from .launch import KernelVariant, PreparedCall, grid_1d, num_blocks, run, tensor_args
 
 
 @triton.jit
 def _forward_stage(
-    acc, m_i, l_i, visited, q_tile, k_head, v_head, k_desc, v_desc, batch, kv_head,
-    stride_kn, stride_kd, stride_vn, stride_vd, rows, lo, hi, diagonal_offset, seqlen_k_b, qk_scale,
-    head_dim, head_dim_v, band, modifiers,
+    acc, m_i, l_i, visited, q_tile, k_rows, v_rows, k_desc, v_desc, batch, kv_head,
+    rows, lo, hi, diagonal_offset, seqlen_k_b, qk_scale, head_dim, head_dim_v, band, modifiers,
     EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr, FOLD_SCALE: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Stream K/V tiles ``[lo, hi)`` through the online softmax (MASKED: apply the visibility mask).
+    """Stream the K/V tiles ``[lo, hi)`` of the matrices ``k_rows``/``v_rows`` (``common.head_rows``) through the
+    online softmax (MASKED: apply the visibility mask).
 
     ``band = (window_left, window_right)`` and ``modifiers = (cap_in, cap_out, slope2)`` are read only under their
     flags (``common.key_visible``, ``common.modified_scores``).
@@ -63,7 +61,7 @@ def _forward_stage(
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + local_n
         k_tile = load_kv_tile(
-            k_head, k_desc, batch, kv_head, start_n, local_n, cols, stride_kn, stride_kd, seqlen_k_b, head_dim,
+            k_rows, k_desc, batch, kv_head, start_n, local_n, cols, seqlen_k_b, head_dim,
             EVEN_D, MASKED, USE_TMA, BLOCK_N, BLOCK_D,
         )  # fmt: skip
         qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
@@ -86,7 +84,7 @@ def _forward_stage(
             )  # fmt: skip
             qk = tl.where(visible, qk, float("-inf"))
         v_tile = load_kv_tile(
-            v_head, v_desc, batch, kv_head, start_n, local_n, cols_v, stride_vn, stride_vd, seqlen_k_b, head_dim_v,
+            v_rows, v_desc, batch, kv_head, start_n, local_n, cols_v, seqlen_k_b, head_dim_v,
             EVEN_DV, MASKED, USE_TMA, BLOCK_N, BLOCK_DV,
         )  # fmt: skip
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, qk, step_scale, v_tile, MASKED, DOT_PRECISION)
@@ -100,11 +98,11 @@ def _forward_stage(
     "window_right", "stride_alibi_b", "stride_alibi_h",
 ])  # fmt: skip
 def attention_forward_kernel(
-    q_ptr, k_ptr, v_ptr, k_desc, v_desc, o_ptr, lse_ptr, seqlens_ptr, counts_ptr,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od,
+    q_ptr, stride_qb, stride_qh, stride_qm, stride_qd,
+    k_ptr, stride_kb, stride_kh, stride_kn, stride_kd,
+    v_ptr, stride_vb, stride_vh, stride_vn, stride_vd,
+    o_ptr, stride_ob, stride_oh, stride_om, stride_od,
+    lse_ptr, k_desc, v_desc, seqlens_ptr, counts_ptr,
     num_heads, group_size, seqlen_q, seqlen_k, num_m_blocks, qk_scale, head_dim,
     head_dim_v, window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h,
     EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_DV: tl.constexpr, DV_IS_D: tl.constexpr,
@@ -115,9 +113,9 @@ def attention_forward_kernel(
 ):  # fmt: skip
     """o, lse of one Q block of one (batch, head); grid: 1-d, num_m_blocks * B * H programs.
 
-    Consecutive programs share a (batch, head), so its K/V stays in L2 across them.  With CAUSAL the block
-    order is reversed so that the longest rows (most K/V tiles) start first and the tail of the grid is short.
-    Up to three stages over the keys (``common.kv_loop_bounds``): the tiles cut by the window's left edge
+    Each tensor arrives as its pointer and four strides (q, k, v: ``[B, H(kv), N, D(v)]``, o: ``[B, H, Nq, Dv]``);
+    lse is contiguous ``[B, H, Nq]``.  The program order is ``common.q_block_program``'s (the longest causal rows
+    first).  Up to three stages over the keys (``common.kv_loop_bounds``): the tiles cut by the window's left edge
     (WINDOW_LEFT), the unmasked ones, the tiles on the right edge or the padding (MASK_STAGE: some tile may need the
     mask, ``PreparedCall.mask_stage_needed``); a stage that cannot run is not compiled.
     v and o have their own head dim (``head_dim_v``, tile BLOCK_DV); DV_IS_D: it is q's, and the kernel reads
@@ -126,22 +124,20 @@ def attention_forward_kernel(
     """
     if DV_IS_D:
         head_dim_v = head_dim
-    pid = tl.program_id(0)
-    bh, m_block, batch, head, kv_head = q_block_program(pid, num_m_blocks, num_heads, group_size, CAUSAL)
-    start_m = m_block * BLOCK_M
-    seqlen_k_b = batch_seqlen_k(seqlens_ptr, batch, seqlen_k, HAS_SEQLENS)
-
+    q = (q_ptr, stride_qb, stride_qh, stride_qm, stride_qd)
+    k = (k_ptr, stride_kb, stride_kh, stride_kn, stride_kd)
+    v = (v_ptr, stride_vb, stride_vh, stride_vn, stride_vd)
+    o = (o_ptr, stride_ob, stride_oh, stride_om, stride_od)
+    bh, m_block, batch, head, kv_head, start_m, seqlen_k_b = q_block_opening(
+        tl.program_id(0), num_m_blocks, num_heads, group_size, seqlens_ptr, seqlen_k, BLOCK_M, CAUSAL, HAS_SEQLENS
+    )
     local_m = tl.arange(0, BLOCK_M)
     rows = start_m + local_m
     cols = tl.arange(0, BLOCK_D)
     cols_v = tl.arange(0, BLOCK_DV)
-    q_head = head_pointer(q_ptr, batch, head, stride_qb, stride_qh)
-    k_head = head_pointer(k_ptr, batch, kv_head, stride_kb, stride_kh)
-    v_head = head_pointer(v_ptr, batch, kv_head, stride_vb, stride_vh)
-    q_tile = load_tile(
-        tile_pointers(q_head, start_m, local_m, cols, stride_qm, stride_qd), rows, seqlen_q, cols,
-        head_dim, EVEN_D, True,
-    )  # fmt: skip
+    k_rows = head_rows(k, batch, kv_head)
+    v_rows = head_rows(v, batch, kv_head)
+    q_tile = load_rows(head_rows(q, batch, head), start_m, local_m, cols, seqlen_q, head_dim, EVEN_D, True)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -156,23 +152,23 @@ def attention_forward_kernel(
     modifiers = (cap_in, cap_out, alibi_slope2(alibi_ptr, batch, head, stride_alibi_b, stride_alibi_h, ALIBI))
     if WINDOW_LEFT:
         acc, m_i, l_i, visited = _forward_stage(
-            acc, m_i, l_i, visited, q_tile, k_head, v_head, k_desc, v_desc, batch, kv_head,
-            stride_kn, stride_kd, stride_vn, stride_vd, rows, start, unmasked_start, diagonal_offset, seqlen_k_b,
-            qk_scale, head_dim, head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N,
-            CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, True, FOLD_SCALE, False, DOT_PRECISION,
+            acc, m_i, l_i, visited, q_tile, k_rows, v_rows, k_desc, v_desc, batch, kv_head,
+            rows, start, unmasked_start, diagonal_offset, seqlen_k_b, qk_scale, head_dim, head_dim_v, band, modifiers,
+            EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI,
+            MASKED=True, FOLD_SCALE=FOLD_SCALE, USE_TMA=False, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
     acc, m_i, l_i, visited = _forward_stage(
-        acc, m_i, l_i, visited, q_tile, k_head, v_head, k_desc, v_desc, batch, kv_head,
-        stride_kn, stride_kd, stride_vn, stride_vd, rows, unmasked_start, unmasked_end, diagonal_offset, seqlen_k_b,
-        qk_scale, head_dim, head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N,
-        CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, False, FOLD_SCALE, USE_TMA, DOT_PRECISION,
+        acc, m_i, l_i, visited, q_tile, k_rows, v_rows, k_desc, v_desc, batch, kv_head,
+        rows, unmasked_start, unmasked_end, diagonal_offset, seqlen_k_b, qk_scale, head_dim, head_dim_v, band,
+        modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI,
+        MASKED=False, FOLD_SCALE=FOLD_SCALE, USE_TMA=USE_TMA, DOT_PRECISION=DOT_PRECISION,
     )  # fmt: skip
     if MASK_STAGE:
         acc, m_i, l_i, visited = _forward_stage(
-            acc, m_i, l_i, visited, q_tile, k_head, v_head, k_desc, v_desc, batch, kv_head,
-            stride_kn, stride_kd, stride_vn, stride_vd, rows, unmasked_end, end, diagonal_offset, seqlen_k_b,
-            qk_scale, head_dim, head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N,
-            CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, True, FOLD_SCALE, False, DOT_PRECISION,
+            acc, m_i, l_i, visited, q_tile, k_rows, v_rows, k_desc, v_desc, batch, kv_head,
+            rows, unmasked_end, end, diagonal_offset, seqlen_k_b, qk_scale, head_dim, head_dim_v, band, modifiers,
+            EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI,
+            MASKED=True, FOLD_SCALE=FOLD_SCALE, USE_TMA=False, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
 
     # Rows with no visible key: l = 0, acc = 0, m = -inf -> o = 0, lse = -inf (no NaN).
@@ -180,16 +176,7 @@ def attention_forward_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     o_tile = acc * (1.0 / l_safe)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-    o_head = head_pointer(o_ptr, batch, head, stride_ob, stride_oh)
-    store_tile(
-        tile_pointers(o_head, start_m, local_m, cols_v, stride_om, stride_od),
-        o_tile.to(o_ptr.dtype.element_ty),
-        rows,
-        seqlen_q,
-        cols_v,
-        head_dim_v,
-        EVEN_DV,
-    )
+    store_rows(head_rows(o, batch, head), o_tile, start_m, local_m, cols_v, seqlen_q, head_dim_v, EVEN_DV)
     tl.store(lse_ptr + as_int64(bh) * seqlen_q + rows, lse, mask=rows < seqlen_q)
     if DEBUG:
         total = tl.cdiv(seqlen_k, BLOCK_N)
@@ -225,8 +212,8 @@ def attention_forward(call: PreparedCall) -> tuple[torch.Tensor, torch.Tensor]:
         use_tma, k_desc, v_desc = call.kv_tile_descriptors(cfg)
         programs = num_m_blocks * B * H
         attention_forward_kernel[grid_1d(programs)](
-            q, k, v, k_desc, v_desc, o, lse, call.seqlens, call.counts_for(KernelVariant.FORWARD, programs),
-            *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+            *tensor_args(q), *tensor_args(k), *tensor_args(v), *tensor_args(o),
+            lse, k_desc, v_desc, call.seqlens, call.counts_for(KernelVariant.FORWARD, programs),
             H, call.group_size, Nq, call.seqlen_k, num_m_blocks, call.scale * LOG2E, D, *modifiers.args,
             EVEN_D=call.even_d, BLOCK_D=call.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=call.causal, HAS_SEQLENS=call.has_seqlens, FOLD_SCALE=call.fold_scale,

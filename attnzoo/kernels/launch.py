@@ -94,6 +94,11 @@ def tile_descriptor(x: torch.Tensor, block_rows: int, block_d: int) -> TensorDes
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, block_rows, block_d])
 
 
+def tensor_args(x: torch.Tensor) -> tuple:
+    """A ``[B, H, N, D]`` tensor as the kernels take it: the tensor (its pointer), then its four strides."""
+    return (x, *x.stride())
+
+
 def num_blocks(n: int, block: int) -> int:
     """How many tiles of ``block`` rows cover ``n`` rows (integer arithmetic: ``triton.cdiv`` costs host time)."""
     return -(-n // block)
