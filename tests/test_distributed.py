@@ -148,8 +148,8 @@ def test_ring_on_one_gpu_with_the_triton_kernels(tmp_path):
     """Two ranks sharing the one GPU over gloo (CUDA tensors staged through the host), the Triton backends as the
     local kernels, every dtype."""
     rng = random.Random(_seed())
-    cases = check.random_cases(rng, 2, 8, ["triton_2kernel", "triton_atomic"], [BF16, F16, F32], max_chunk=80,
-                               head_dims=(64, 128))  # fmt: skip
+    # Few cases: each new (dtype, head dim, mask) compiles its kernels, and both ranks compile at once.
+    cases = check.random_cases(rng, 2, 6, ["triton_2kernel", "triton_atomic"], [BF16, F16, F32], max_chunk=80)
     torch.multiprocessing.spawn(check.spawned, args=(2, f"file://{tmp_path}/init", cases, "cuda", False), nprocs=2)
 
 
