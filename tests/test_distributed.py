@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,3 +223,21 @@ def test_shard_names_the_bad_argument(group_of_one):
         zd.shard(torch.ones(1, 1, 4, 4), layout="round-robin")
     with pytest.raises(ValueError, match="at least 3 dims"):
         zd.unshard(torch.ones(4, 4))
+
+
+# -- the cost model -------------------------------------------------------------------------------------------------
+def test_ring_model_crossover_is_where_transfer_meets_compute():
+    from attnzoo.bench import ring_model as model
+
+    csv_path = Path(__file__).resolve().parents[1] / "bench" / "results" / "h100_bench_bf16.csv"
+    thr = model.read_throughput(csv_path, "triton_2kernel", 128)
+    shape = model.Shape(batch=1, heads=32, kv_heads=8, head_dim=128, dtype="bf16")
+    for causal in (False, True):
+        for mode in ("fwd", "bwd"):
+            n = model.crossover(thr, shape, causal, mode, 64.0, 10.0)
+            compute, transfer = model.step_times(thr, shape, n, causal, mode, 64.0, 10.0)
+            assert transfer <= compute
+            compute, transfer = model.step_times(thr, shape, n - 64, causal, mode, 64.0, 10.0)
+            assert transfer > compute
+    row = model.predict(thr, shape, "pcie-gen5", 64.0, 8, 8 * n, True, "bwd", 10.0)
+    assert row.rank_ms >= row.compute_only_ms and 0 < row.efficiency <= 1
