@@ -55,7 +55,9 @@ class _Call:
             kw = self.kwargs(launch)
             problem = validate_forward(*args, kw["causal"], scale, None, kw["window"], softcap)
             chosen = _backend_of(backend, problem)
-            chosen._check(problem)
+            reasons = chosen.not_supported_reasons(*args, **kw)  # a head dim above its limit: ValueError
+            if reasons:
+                raise NotImplementedError(f"backend {chosen.name!r} cannot run a local call: " + "; ".join(reasons))
             self.backends[launch] = chosen
 
     def kwargs(self, launch: Launch) -> dict:
@@ -66,9 +68,9 @@ class _Call:
             yield launch, self.backends[launch], slice(*launch.rows), slice(*launch.keys), self.kwargs(launch)
 
 
-def _pack(*tensors: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+def _pack(*tensors: Tensor) -> Tensor:
     """One contiguous flat buffer holding ``tensors`` (one transfer per step instead of one per tensor)."""
-    return torch.cat([t.reshape(-1).to(dtype or t.dtype) for t in tensors])
+    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def _unpack(buffer: Tensor, *like: Tensor) -> list[Tensor]:
