@@ -223,6 +223,10 @@ class Backend:
         modifiers aligned to that length.  Implemented by the backends that declare ``Capabilities.kvcache``."""
         raise NotImplementedError(f"backend {self.name!r} does not answer the KV-cache call")
 
+    def kvcache_reasons(self, kv: Any) -> list[str]:
+        """Why this backend cannot answer the KV-cache call ``kv`` beyond what ``reasons_for(kv.problem)`` says."""
+        return []
+
     def _forward(self, q, k, v, problem: Problem) -> tuple[Any, Any]:
         raise NotImplementedError
 

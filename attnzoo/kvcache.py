@@ -314,7 +314,7 @@ def kvcache_reasons(backend: Backend, kv: KVCacheProblem) -> list[str]:
     """Why ``backend`` cannot answer this KV-cache call ([] when it can)."""
     if not backend.capabilities.kvcache:
         return ["the KV-cache call (attention_with_kvcache) is not supported"]
-    return backend.reasons_for(kv.problem)
+    return backend.reasons_for(kv.problem) + backend.kvcache_reasons(kv)
 
 
 def _pick(kv: KVCacheProblem) -> Backend:

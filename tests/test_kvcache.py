@@ -175,3 +175,19 @@ def test_a_backend_without_the_call_says_so():
         attnzoo.attention_with_kvcache(
             x["q"], x["k_cache"], x["v_cache"], x["cache_seqlens"], block_table=x["block_table"], backend="torch_fa1"
         )
+
+
+@needs_interpreter
+@settings(max_examples=10, deadline=None)
+@given(case=kv_cases(dtypes=(F32,)))
+def test_two_kernel_answers_the_decode_calls_it_declares(case):
+    """triton_2kernel (no split, pages gathered into a dense copy) on the calls its alignment to Nk gets right; the
+    others it refuses with a reason."""
+    backend = attnzoo.get("triton_2kernel")
+    x = case.make()
+    refused = case.window not in (None, (None, None)) or case.alibi or (case.causal and case.seqlen_q > 1)
+    if refused:
+        with pytest.raises(NotImplementedError, match="aligned to each sequence's length"):
+            case.call(x, backend)
+        return
+    run_and_judge(case, backend)
