@@ -53,13 +53,10 @@ def _impls(q, bufs, table, lengths, layout):
 
     k, v = _views(bufs, layout)
 
-    def zoo(name):
-        backend = attnzoo.get(name)
-        return lambda: attnzoo.attention_with_kvcache(
-            q, k, v, lengths, block_table=table_arg, causal=False, backend=backend
-        )
-
-    impls = {"triton_splitk": zoo("triton_splitk"), "triton_2kernel": zoo("triton_2kernel")}
+    impls = {
+        name: _zoo_call(attnzoo.get(name), q, bufs, table, lengths, layout)
+        for name in ("triton_splitk", "triton_2kernel")
+    }
     if layout == "dense":
 
         def sdpa(backend):
