@@ -6,12 +6,14 @@
 >>> o = attnzoo.attention(q, k, v, causal=True)   # autograd, torch.compile-able
 >>> o = attnzoo.sdpa(q, k, v, is_causal=True)     # scaled_dot_product_attention's exact signature and semantics
 >>> o, lse = attnzoo.merge_attention(o_parts, lse_parts)  # results over disjoint key sets -> their union
+>>> o = attnzoo.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new)  # decoding, in-place append
 """
 
 from . import backends as _backends  # noqa: F401  (registers every backend)
 from .autograd import attention, pick_backend
 from .backend import REQUIRED_FEATURES, Backend, Capabilities, get, names
 from .drop_in import sdpa, sdpa_patched
+from .kvcache import attention_with_kvcache
 from .merge import merge_attention
 from .validation import Problem
 
@@ -21,6 +23,7 @@ __all__ = [
     "Capabilities",
     "Problem",
     "attention",
+    "attention_with_kvcache",
     "get",
     "merge_attention",
     "names",

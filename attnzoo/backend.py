@@ -52,7 +52,9 @@ class Capabilities:
     type (lower is preferred); a device type absent from it is never picked automatically.
     ``features`` names the SPEC.md features the backend implements (``REQUIRED_FEATURES`` by default); a call
     that uses one it lacks is declared unsupported, with the feature named.  ``extra_reasons`` adds
-    backend-specific checks that the generic fields cannot express.
+    backend-specific checks that the generic fields cannot express.  ``kvcache``: the backend answers
+    ``attnzoo.attention_with_kvcache`` (:meth:`Backend.kvcache_forward`), which ``kvcache_auto_rank`` orders for
+    ``backend="auto"`` as ``auto_rank`` does for ``attention``.
     """
 
     summary: str
@@ -64,6 +66,8 @@ class Capabilities:
     deterministic: bool = True
     auto_rank: Mapping[str, int] = field(default_factory=dict)
     extra_reasons: Callable[[Problem], list[str]] | None = None
+    kvcache: bool = False
+    kvcache_auto_rank: Mapping[str, int] = field(default_factory=dict)
 
 
 class Backend:
@@ -210,6 +214,18 @@ class Backend:
             return _empty_backward(q, k, v)
         with _on_device(problem):
             return self._backward(do, q, k, v, o, lse, problem)
+
+    def kvcache_forward(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, block_table: Tensor | None, kv: Any
+    ) -> tuple[Tensor, Tensor]:
+        """SPEC.md's KV-cache call after ``attnzoo.kvcache`` validated it (``kv``, a ``KVCacheProblem``) and appended
+        the new keys: attention of q over the first ``lengths[b]`` keys of each sequence, causal and the score
+        modifiers aligned to that length.  Implemented by the backends that declare ``Capabilities.kvcache``."""
+        raise NotImplementedError(f"backend {self.name!r} does not answer the KV-cache call")
+
+    def kvcache_reasons(self, kv: Any) -> list[str]:
+        """Why this backend cannot answer the KV-cache call ``kv`` beyond what ``reasons_for(kv.problem)`` says."""
+        return []
 
     def _forward(self, q, k, v, problem: Problem) -> tuple[Any, Any]:
         raise NotImplementedError

@@ -17,7 +17,7 @@ LOW_PRECISION = oracle.LOW_PRECISION
 
 # SPEC.md, "Names" and "Dtypes": float64 on the reference backends, float32/float16/bfloat16 on every backend.
 REFERENCE_BACKENDS = ("numpy_ref", "torch_fa1", "torch_fa2")
-TRITON_BACKENDS = ("triton_atomic", "triton_2kernel")
+TRITON_BACKENDS = ("triton_atomic", "triton_2kernel", "triton_splitk")
 SPEC_DEVICES = {"numpy_ref": {"cpu"}, "torch_fa1": {"cpu", "cuda"}, "torch_fa2": {"cpu", "cuda"}}
 SPEC_DTYPES = {name: {F64, F32, F16, BF16} for name in REFERENCE_BACKENDS}
 for _name in TRITON_BACKENDS:

@@ -53,7 +53,12 @@ def _runnable_dtypes(backend: attnzoo.Backend) -> tuple[torch.dtype, ...]:
     return tuple(runnable)
 
 
-@pytest.mark.parametrize("name", attnzoo.names())
+# triton_splitk's backward is triton_2kernel's kernels (checked here under that name); its forward has its own bounded
+# property tests in tests/test_kvcache.py, which keeps the interpreter's share of CI's time in bounds.
+PROPERTY_BACKENDS = [name for name in attnzoo.names() if name != "triton_splitk"]
+
+
+@pytest.mark.parametrize("name", PROPERTY_BACKENDS)
 @given(data=st.data())
 def test_matches_oracle(name, data):
     backend = attnzoo.get(name)

@@ -4,7 +4,7 @@
 backends, public for the benchmark's skip ratio.
 """
 
-from . import numpy_ref, torch_fa1, torch_fa2, triton_2kernel, triton_atomic  # noqa: F401
+from . import numpy_ref, torch_fa1, torch_fa2, triton_2kernel, triton_atomic, triton_splitk  # noqa: F401
 from ._tiles import key_band, tile_is_empty
 
 __all__ = ["key_band", "tile_is_empty"]

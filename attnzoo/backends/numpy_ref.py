@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..backend import Backend, Capabilities, poison_outputs, register
+from ..kvcache import per_sequence_forward
 from ..validation import Problem
 from ._tiles import key_band, tile_is_empty, tile_visibility
 
@@ -198,6 +199,8 @@ class NumpyRef(Backend):
         devices=frozenset({"cpu"}),
         dtypes=frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16}),
         accepts_numpy=True,
+        kvcache=True,
+        kvcache_auto_rank={"cpu": 30},
         auto_rank={"cpu": 30},
     )
 
@@ -208,6 +211,10 @@ class NumpyRef(Backend):
         o, lse = forward(q, k, v, problem, self.block_m, self.block_n)
         lse_out = lse if problem.is_numpy else torch.from_numpy(lse)
         return _like_input(o, problem, q), lse_out
+
+    def kvcache_forward(self, q, k_cache, v_cache, lengths, block_table, kv):
+        # Each sequence's pages gathered into a dense tensor of its attended length, then the plain forward.
+        return per_sequence_forward(self, q, k_cache, v_cache, lengths, block_table, kv)
 
     def _backward(self, do, q, k, v, o, lse, problem):
         grads = backward(do, q, k, v, o, lse, problem, self.block_m, self.block_n)

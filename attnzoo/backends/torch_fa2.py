@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..backend import Backend, Capabilities, new_output, register
+from ..kvcache import per_sequence_forward
 from ._torch_blocked import DTYPES, TorchTiles, delta_rows, kv_stationary_backward, online_softmax_update
 
 Tensor = torch.Tensor
@@ -90,6 +91,8 @@ class TorchFA2(Backend):
         summary="PyTorch blocked, FA2 order: outer Q / inner K/V; backward Delta + dK/dV pass + dQ pass",
         devices=frozenset({"cpu", "cuda"}),
         dtypes=DTYPES,
+        kvcache=True,
+        kvcache_auto_rank={"cpu": 10, "cuda": 10},
         auto_rank={"cpu": 10, "cuda": 10},
     )
 
@@ -101,6 +104,10 @@ class TorchFA2(Backend):
 
     def _forward(self, q, k, v, problem):
         return forward(q, k, v, self._tiles(q, problem))
+
+    def kvcache_forward(self, q, k_cache, v_cache, lengths, block_table, kv):
+        # Each sequence's pages gathered into a dense tensor of its attended length, then the plain forward.
+        return per_sequence_forward(self, q, k_cache, v_cache, lengths, block_table, kv)
 
     def _backward(self, do, q, k, v, o, lse, problem):
         return backward(do, q, k, v, o, lse, self._tiles(q, problem))
