@@ -85,7 +85,9 @@ def source(
     return ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
-def gluon_source(kernel_name: str, dtype: str, d: int, cfg: KernelConfig, causal: bool):
+def gluon_source(
+    kernel_name: str, dtype: str, d: int, cfg: KernelConfig, causal: bool, modifiers: frozenset[str] = frozenset()
+):
     """A Gluon Hopper kernel (a ``gluon`` config of the forward or the dK/dV kernel) as its launcher
     (``forward_gluon.attention_forward_hopper``, ``backward_gluon.attention_dkdv_hopper``) specialises it, and the
     ``num_warps`` it launches with: descriptors of ``[1, 1, rows, d]`` boxes; the forward's q/o boxes hold one
@@ -107,7 +109,8 @@ def gluon_source(kernel_name: str, dtype: str, d: int, cfg: KernelConfig, causal
         return f"tensordesc<{DTYPES[dtype]}[{', '.join(map(str, box))}],{layout!r}>"
 
     flags = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=d, CAUSAL=causal, NUM_STAGES=cfg.num_stages,
-                 IS_FP16=dtype == "fp16", NUM_WARPGROUPS=cfg.block_m // 64)  # fmt: skip
+                 IS_FP16=dtype == "fp16", NUM_WARPGROUPS=cfg.block_m // 64, WINDOW_LEFT="window" in modifiers,
+                 WINDOW_RIGHT=False, SOFTCAP="softcap" in modifiers, ALIBI="alibi" in modifiers)  # fmt: skip
     signature, constexprs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in flags:
@@ -129,7 +132,7 @@ def report(
     if cfg.gluon:
         if gluon_unavailable_reason():
             raise SystemExit(gluon_unavailable_reason())
-        src, num_warps = gluon_source(kernel_name, dtype, d, cfg, causal)
+        src, num_warps = gluon_source(kernel_name, dtype, d, cfg, causal, modifiers)
     else:
         src, num_warps = source(KERNELS[kernel_name], dtype, d, cfg, causal, q_tail, modifiers), cfg.num_warps
     compiled = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=cfg.num_stages))

@@ -30,9 +30,10 @@ its bytes have landed.  Two arrangements, by the number of warpgroups per Q bloc
 
 Scope (``KernelVariant.FORWARD.gluon_scope`` in ``launch.py`` says why a call runs ``forward.py``'s kernel
 instead): an sm_90 GPU, float16/bfloat16, head dims 64 and 128, no ``seqlens_k`` (TMA zero-fills past Nk only: V
-rows past ``seqlens_k[b]`` may hold NaN, and ``0 * NaN`` would reach ``P V``), a positive scale, and q/k/v that a TMA
-descriptor can address.
-Causal masks, any Nq and Nk, and grouped-query heads are handled.  Results are the same online softmax as
+rows past ``seqlens_k[b]`` may hold NaN, and ``0 * NaN`` would reach ``P V``), ``Dv == D``, a positive scale, and
+q/k/v that a TMA descriptor can address.
+Causal masks, windows (the loop starts at the window's first tile: blocks outside the band are never loaded), the
+soft cap, ALiBi, any Nq and Nk, and grouped-query heads are handled.  Results are the same online softmax as
 ``forward.py`` (not bitwise: the products are summed in another order).
 """
 
@@ -68,12 +69,38 @@ if TYPE_CHECKING:
 if gluon is not None:
 
     @gluon.jit
-    def _mask_scores(s, rows, keys, diagonal_offset, seqlen_k, CAUSAL: gl.constexpr):
-        """Hide keys past Nk and, with CAUSAL, keys after the row's diagonal: ``-inf`` scores (``p = 0``)."""
+    def _mask_scores(
+        s, rows, keys, diagonal_offset, seqlen_k, window_left, window_right,
+        CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+    ):  # fmt: skip
+        """Hide keys past Nk, after the row's diagonal (CAUSAL) and outside the window's band (``common.key_visible``'s
+        rule): ``-inf`` scores (``p = 0``)."""
         visible = keys[None, :] < seqlen_k
         if CAUSAL:
             visible = visible & (keys[None, :] <= rows[:, None] + diagonal_offset)
+        if WINDOW_RIGHT:
+            visible = visible & (keys[None, :] <= rows[:, None] + (diagonal_offset + window_right))
+        if WINDOW_LEFT:
+            visible = visible & (keys[None, :] >= rows[:, None] + (diagonal_offset - window_left))
         return gl.where(visible, s, float("-inf"))
+
+    @gluon.jit
+    def _modified_scores(
+        s, rows, keys, diagonal_offset, qk_scale, cap_in, cap_out, slope2,
+        SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+    ):  # fmt: skip
+        """The base-2 scores of a raw tile with the soft cap and ALiBi (``common.modified_scores``' math; the soft cap
+        always in the hardware's ``tanh.approx.f32``, the form the Triton kernels use for float16/bfloat16)."""
+        s2 = s * qk_scale
+        if SOFTCAP:
+            tanh = gl.inline_asm_elementwise(
+                "tanh.approx.f32 $0, $1;", "=r,r", [s2 * cap_in], dtype=gl.float32, is_pure=True, pack=1
+            )
+            s2 = cap_out * tanh
+        if ALIBI:
+            distance = gl.abs((rows[:, None] + diagonal_offset).to(gl.float32) - keys[None, :].to(gl.float32))
+            s2 = s2 - slope2 * distance
+        return s2
 
     @gluon.jit
     def _softmax_step(s, m_i, l_i, qk_scale, DTYPE: gl.constexpr, p_layout: gl.constexpr):
@@ -94,16 +121,26 @@ if gluon is not None:
 
     @gluon.jit
     def _attend_rows(
-        k_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars,
+        k_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
         WARPGROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, CAUSAL: gl.constexpr,
-        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr, INLINE_LOADS: gl.constexpr,
+        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr, INLINE_LOADS: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+        WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
     ):  # fmt: skip
         """o and lse of the 64 rows of warpgroup ``WARPGROUP`` of the Q block (4 warps; the loop of the module
         docstring).  INLINE_LOADS: this warpgroup refills the K/V slots itself (the whole block is one warpgroup);
-        else it releases each slot to the producer warp with an arrive on the slot's "empty" mbarrier."""
+        else it releases each slot to the producer warp with an arrive on the slot's "empty" mbarrier.
+
+        Tile ``j`` holds keys ``first_key + j * BLOCK_N ..``; tiles ``j < left_tiles`` (cut by the window's left
+        edge) and ``j >= unmasked_tiles`` (the diagonal, the right edge, Nk) take the mask, the others none.
+        ``modifiers = (window_left, window_right, cap_in, cap_out, slope2)``, each read only under its flag; with the
+        soft cap or ALiBi the scores are scaled and modified before the mask, and the softmax takes them as they are.
+        """
         q_smem, k_ring, v_ring = smem
         q_bars, k_ready, v_ready, k_empty, v_empty = bars
-        bh, batch, head, kv_head, start_m, seqlen_q, seqlen_k, unmasked_tiles, n_tiles, qk_scale = scalars
+        (bh, batch, head, kv_head, start_m, seqlen_q, seqlen_k,
+         first_key, left_tiles, unmasked_tiles, n_tiles, qk_scale) = scalars  # fmt: skip
+        window_left, window_right, cap_in, cap_out, slope2 = modifiers
+        MODIFIED: gl.constexpr = SOFTCAP or ALIBI
         ROWS: gl.constexpr = q_smem.type.shape[3]
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
         # Accumulator layouts of the two products (one warpgroup: a thread holds 2 of the 64 rows).
@@ -130,11 +167,18 @@ if gluon is not None:
         s = warpgroup_mma_wait(0, deps=(s,))
         if not INLINE_LOADS:
             mbarrier.arrive(k_empty.index(0))
-        if unmasked_tiles == 0:
-            s = _mask_scores(s, rows, local_keys, diagonal_offset, seqlen_k, CAUSAL)
+        keys = first_key + local_keys
+        step_scale = qk_scale
+        if MODIFIED:
+            s = _modified_scores(s, rows, keys, diagonal_offset, qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI)
+            step_scale = 1.0
+        if (unmasked_tiles == 0) | (left_tiles > 0):
+            s = _mask_scores(
+                s, rows, keys, diagonal_offset, seqlen_k, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT
+            )
         m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([ROWS], gl.float32, s_rows)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, DTYPE, p_layout)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, step_scale, DTYPE, p_layout)
         acc = gl.zeros([ROWS, BLOCK_D], gl.float32, o_layout)
 
         for j in range(1, n_tiles):
@@ -144,10 +188,10 @@ if gluon is not None:
                 cta_barrier()
                 k_next = j + NUM_STAGES - 1
                 v_next = j + NUM_STAGES - 2
-                ring_load(k_desc, k_ready, k_ring, k_next, batch, kv_head, k_next * BLOCK_N, k_next < n_tiles,
-                          NUM_STAGES)  # fmt: skip
-                ring_load(v_desc, v_ready, v_ring, v_next, batch, kv_head, v_next * BLOCK_N, v_next < n_tiles,
-                          NUM_STAGES)  # fmt: skip
+                ring_load(k_desc, k_ready, k_ring, k_next, batch, kv_head, first_key + k_next * BLOCK_N,
+                          k_next < n_tiles, NUM_STAGES)  # fmt: skip
+                ring_load(v_desc, v_ready, v_ring, v_next, batch, kv_head, first_key + v_next * BLOCK_N,
+                          v_next < n_tiles, NUM_STAGES)  # fmt: skip
 
             k_tile = ring_wait(k_ready, k_ring, j, BLOCK_N, BLOCK_D, NUM_STAGES)
             # The last S tile's registers serve as the (ignored) accumulator input: no zero tile per iteration.
@@ -161,9 +205,15 @@ if gluon is not None:
                 # A wgmma is one operation of the whole warpgroup: once it is complete in this thread, it has read
                 # its shared memory for all four warps, so one arrive per warpgroup frees the slot.
                 mbarrier.arrive(k_empty.index(j % NUM_STAGES))
-            if j >= unmasked_tiles:
-                s = _mask_scores(s, rows, j * BLOCK_N + local_keys, diagonal_offset, seqlen_k, CAUSAL)
-            p_next, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, DTYPE, p_layout)
+            keys = first_key + j * BLOCK_N + local_keys
+            if MODIFIED:
+                s = _modified_scores(s, rows, keys, diagonal_offset, qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI)
+            if (j >= unmasked_tiles) | (j < left_tiles):
+                s = _mask_scores(
+                    s, rows, keys, diagonal_offset, seqlen_k, window_left, window_right, CAUSAL, WINDOW_LEFT,
+                    WINDOW_RIGHT,
+                )  # fmt: skip
+            p_next, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, step_scale, DTYPE, p_layout)
             # P_{j-1} stays alive (the product reads it from registers) until this wait.
             acc, p = warpgroup_mma_wait(0, deps=(acc, p))
             if not INLINE_LOADS:
@@ -192,7 +242,7 @@ if gluon is not None:
 
     @gluon.jit
     def _load_tiles(
-        q_desc, k_desc, v_desc, smem, bars, batch, head, kv_head, start_m, n_tiles,
+        q_desc, k_desc, v_desc, smem, bars, batch, head, kv_head, start_m, first_key, n_tiles,
         BLOCK_N: gl.constexpr, NUM_WARPGROUPS: gl.constexpr, NUM_STAGES: gl.constexpr,
     ):  # fmt: skip
         """The producer warp of the warp-specialised block: each warpgroup's Q rows, then K and V tile ``i`` into slot
@@ -207,16 +257,21 @@ if gluon is not None:
             # An mbarrier starts as if its phase "-1" had completed, so the waits of the first round pass at once.
             free_phase = ((i // NUM_STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(slot), free_phase)
-            ring_load(k_desc, k_ready, k_ring, i, batch, kv_head, i * BLOCK_N, True, NUM_STAGES)
+            ring_load(k_desc, k_ready, k_ring, i, batch, kv_head, first_key + i * BLOCK_N, True, NUM_STAGES)
             mbarrier.wait(v_empty.index(slot), free_phase)
-            ring_load(v_desc, v_ready, v_ring, i, batch, kv_head, i * BLOCK_N, True, NUM_STAGES)
+            ring_load(v_desc, v_ready, v_ring, i, batch, kv_head, first_key + i * BLOCK_N, True, NUM_STAGES)
 
-    @gluon.jit(do_not_specialize=["num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks"])
+    @gluon.jit(do_not_specialize=[
+        "num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks", "window_left", "window_right",
+        "stride_alibi_b", "stride_alibi_h",
+    ])  # fmt: skip
     def attention_forward_hopper_kernel(
         q_desc, k_desc, v_desc, o_desc, lse_ptr,
         num_heads, group_size, seqlen_q, seqlen_k, num_m_blocks, qk_scale,
+        window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h,
         BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, CAUSAL: gl.constexpr, NUM_WARPGROUPS: gl.constexpr,
-        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+        SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
     ):  # fmt: skip
         """o, lse of one Q block of NUM_WARPGROUPS * 64 rows of one (batch, head); grid: 1-d, num_m_blocks * B * H
         programs (as ``forward.py``); launched with 4 warps (the first warpgroup; the warp-specialised block adds
@@ -233,15 +288,22 @@ if gluon is not None:
         bh, m_block, batch, head, kv_head = q_block_program(pid, num_m_blocks, num_heads, group_size, CAUSAL)
         start_m = m_block * BLOCK_M
 
-        # Key ranges (kv_loop_bounds, as in forward.py): [0, unmasked_end) needs no mask; tiles from n_tiles on are
-        # hidden from every real row.  At least one tile runs (fully masked when no row sees a key), so that the
-        # loop needs no special case: it leaves m = -inf, l = 0 in such rows.
-        # No window here (the scope sends windowed calls to forward.py): the first stage starts at key 0.
-        _start, _unmasked_start, unmasked_end, end = kv_loop_bounds(
-            start_m, seqlen_q, seqlen_k, seqlen_k, 0, 0, CAUSAL, False, False, BLOCK_M, BLOCK_N
-        )
-        unmasked_tiles = unmasked_end // BLOCK_N
-        n_tiles = gl.maximum(gl.cdiv(end, BLOCK_N), 1)
+        # Key ranges (kv_loop_bounds, as in forward.py): the loop runs over the tiles of [start, end), and
+        # [unmasked_start, unmasked_end) needs no mask; tiles outside [start, end) are hidden from every real row and
+        # never loaded.  At least one tile runs (fully masked when no row sees a key), so that the loop needs no
+        # special case: it leaves m = -inf, l = 0 in such rows.
+        start, unmasked_start, unmasked_end, end = kv_loop_bounds(
+            start_m, seqlen_q, seqlen_k, seqlen_k, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
+            BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        left_tiles = (unmasked_start - start) // BLOCK_N
+        unmasked_tiles = (unmasked_end - start) // BLOCK_N
+        n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 1)
+        if ALIBI:
+            slope = gl.load(alibi_ptr + batch.to(gl.int64) * stride_alibi_b + head.to(gl.int64) * stride_alibi_h)
+            slope2 = slope * 1.4426950408889634
+        else:
+            slope2 = 0.0
 
         q_smem = gl.allocate_shared_memory(DTYPE, [NUM_WARPGROUPS, 1, 1, ROWS, BLOCK_D], q_desc.layout)
         k_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
@@ -262,17 +324,32 @@ if gluon is not None:
 
         smem = (q_smem, k_ring, v_ring)
         bars = (q_bars, k_ready, v_ready, k_empty, v_empty)
-        scalars = (bh, batch, head, kv_head, start_m, seqlen_q, seqlen_k, unmasked_tiles, n_tiles, qk_scale)
+        scalars = (
+            bh,
+            batch,
+            head,
+            kv_head,
+            start_m,
+            seqlen_q,
+            seqlen_k,
+            start,
+            left_tiles,
+            unmasked_tiles,
+            n_tiles,
+            qk_scale,
+        )
+        modifiers = (window_left, window_right, cap_in, cap_out, slope2)
         if NUM_WARPGROUPS == 1:
             # Prologue loads: Q, K tiles 0 .. NUM_STAGES-1, V tiles 0 .. NUM_STAGES-2 (V slot NUM_STAGES-1 is filled
             # at the top of iteration 1, when the refill schedule of _attend_rows takes over).
             ring_load(q_desc, q_bars, q_smem, 0, batch, head, start_m, True, 1)
             for i in gl.static_range(NUM_STAGES):
-                ring_load(k_desc, k_ready, k_ring, i, batch, kv_head, i * BLOCK_N, i < n_tiles, NUM_STAGES)
+                ring_load(k_desc, k_ready, k_ring, i, batch, kv_head, start + i * BLOCK_N, i < n_tiles, NUM_STAGES)
             for i in gl.static_range(NUM_STAGES - 1):
-                ring_load(v_desc, v_ready, v_ring, i, batch, kv_head, i * BLOCK_N, i < n_tiles, NUM_STAGES)
-            _attend_rows(k_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars,
-                         0, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16, True)  # fmt: skip
+                ring_load(v_desc, v_ready, v_ring, i, batch, kv_head, start + i * BLOCK_N, i < n_tiles, NUM_STAGES)
+            _attend_rows(k_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
+                         0, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16, True,
+                         WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI)  # fmt: skip
         else:
             gl.static_assert(NUM_WARPGROUPS == 2, "one or two warpgroups per Q block")
             # Constexpr arguments go to the partitions as literals: a constexpr held in a variable would reach a
@@ -280,11 +357,13 @@ if gluon is not None:
             # applies only where the kernel sets maxnreg; ptxas gives every thread 168 (65536 / 384 threads).
             gl.warp_specialize(
                 [
-                    (_attend_rows, (k_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars,
-                                    0, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16, False)),
-                    (_attend_rows, (k_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars,
-                                    1, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16, False)),
-                    (_load_tiles, (q_desc, k_desc, v_desc, smem, bars, batch, head, kv_head, start_m, n_tiles,
+                    (_attend_rows, (k_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
+                                    0, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16, False,
+                                    WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI)),
+                    (_attend_rows, (k_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
+                                    1, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16, False,
+                                    WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI)),
+                    (_load_tiles, (q_desc, k_desc, v_desc, smem, bars, batch, head, kv_head, start_m, start, n_tiles,
                                    BLOCK_N, NUM_WARPGROUPS, NUM_STAGES)),
                 ],
                 [4, 1],
@@ -331,7 +410,9 @@ def attention_forward_hopper(
     num_m_blocks = -(-Nq // block_m)
     attention_forward_hopper_kernel[(num_m_blocks * B * H,)](
         tile_descriptor(q, 64), tile_descriptor(k, block_n), tile_descriptor(v, block_n), tile_descriptor(o, 64), lse,
-        H, H // Hkv, Nq, Nk, num_m_blocks, scale * LOG2E,
+        H, H // Hkv, Nq, Nk, num_m_blocks, scale * LOG2E, *modifiers.args[1:],
         BLOCK_N=block_n, BLOCK_D=D, CAUSAL=causal, NUM_WARPGROUPS=block_m // 64, NUM_STAGES=num_stages,
-        IS_FP16=q.dtype == torch.float16, num_warps=KERNEL_WARPS,
+        IS_FP16=q.dtype == torch.float16, WINDOW_LEFT=modifiers.flags["WINDOW_LEFT"],
+        WINDOW_RIGHT=modifiers.flags["WINDOW_RIGHT"], SOFTCAP=modifiers.flags["SOFTCAP"] != 0,
+        ALIBI=modifiers.flags["ALIBI"], num_warps=KERNEL_WARPS,
     )  # fmt: skip

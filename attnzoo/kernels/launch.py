@@ -411,7 +411,9 @@ class GluonScope:
 
 
 _GLUON_SCOPES = {
-    KernelVariant.FORWARD: GluonScope("forward_gluon.py", needs_positive_scale=True),
+    KernelVariant.FORWARD: GluonScope(
+        "forward_gluon.py", needs_positive_scale=True, window=True, softcap=True, alibi=True
+    ),
     KernelVariant.DKDV: GluonScope("backward_gluon.py", needs_positive_scale=False, extra_tma_operands=("do",)),
 }
 
