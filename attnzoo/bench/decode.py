@@ -184,19 +184,22 @@ def plot(csv_path: Path, png: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), sharey=True, squeeze=False)
     points = sorted({(int(r["cache"]), int(r["B"])) for r in rows})
     labels = [f"{c // 1024}k\nB={b}" for c, b in points]
+    impls = sorted({r["impl"] for r in rows if "[" not in r["impl"]})
+    colors = {impl: f"C{i}" for i, impl in enumerate(impls)}  # one colour per implementation in every panel
     for ax, (nq, layout) in zip(axes[0], panels, strict=True):
-        for impl in sorted({r["impl"] for r in rows if "[" not in r["impl"]}):
+        for impl in impls:
             got = {(int(r["cache"]), int(r["B"])): float(r["of_copy"]) for r in rows
                    if r["impl"] == impl and int(r["Nq"]) == nq and r["layout"] == layout}  # fmt: skip
             if got:
                 xs = [i for i, p in enumerate(points) if p in got]
-                ax.plot(xs, [got[points[i]] for i in xs], marker="o", label=impl)
+                ax.plot(xs, [got[points[i]] for i in xs], marker="o", label=impl, color=colors[impl])
         ax.axhline(0.8, color="grey", linestyle="--", linewidth=0.8)
         ax.set_xticks(range(len(points)), labels, fontsize=7)
         ax.set_title(f"Nq={nq}, {layout} cache" + (f" (page {PAGE})" if layout == "paged" else ""))
         ax.set_ylim(0, 1.05)
     axes[0][0].set_ylabel("K+V bytes / time, fraction of 3.0 TB/s")
-    axes[0][-1].legend(fontsize=7)
+    handles = {h.get_label(): h for ax in axes[0] for h in ax.get_lines() if not h.get_label().startswith("_")}
+    axes[0][0].legend(handles.values(), handles.keys(), fontsize=7)
     fig.suptitle("Decoding, bf16, H=32, Hkv=8, D=128 (H100)")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
