@@ -343,3 +343,26 @@ def test_every_dtype_runs_on_some_backend_here():
         x = random_varlen_inputs((9, 4), (9, 11), 2, 1, 8, dtype=dtype, seed=11)
         o = attnzoo.attention_varlen(x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, causal=True)
         assert o.dtype == dtype and not math.isnan(float(o.float().sum()))
+
+
+def test_compare_runs_every_backend_on_a_packed_case(capsys):
+    from attnzoo import compare
+
+    argv = ["--varlen", "20,0,7", "--varlen-k", "20,3,9", "--causal", "--H", "2", "--Hkv", "1", "--D", "8"]
+    assert compare.main([*argv, "--repeat", "1", "--device", "cpu"]) == 0
+    table = capsys.readouterr().out
+    for name in attnzoo.names():
+        assert name in table
+    assert "OUT OF TOLERANCE" not in table and "ERROR" not in table
+
+
+@pytest.mark.parametrize(
+    "argv", [["--varlen", "3,-1"], ["--varlen", "3,x"], ["--varlen-k", "3"], ["--varlen", "3", "--Nq", "4"],
+             ["--varlen", "3,4", "--varlen-k", "3"]],
+)  # fmt: skip
+def test_compare_refuses_bad_varlen_flags(argv):
+    from attnzoo import compare
+
+    with pytest.raises(SystemExit) as exit_:
+        compare.main(argv)
+    assert exit_.value.code == 2
