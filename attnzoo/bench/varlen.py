@@ -140,7 +140,8 @@ def _sdpa_times(q, k, v, do, attn_mask, causal) -> tuple[float, float]:
     return fwd, bwd
 
 
-def run(args: argparse.Namespace) -> list[dict]:
+def run(args: argparse.Namespace, on_row=None) -> list[dict]:
+    """Measure every case; ``on_row(row)`` is called as each row is complete (the CSV is written as it goes)."""
     lengths, seed = draw_lengths(args.tokens, args.min_len, args.max_len, args.seed)
     n_max, mean_len = max(lengths), round(sum(lengths) / len(lengths))
     print(f"lengths (seed {seed}, {len(lengths)} sequences, mean {mean_len}, longest {n_max}): {lengths}")
@@ -180,6 +181,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                     row["lengths"] = lengths_text
                     row["fwd_tflops"] = impl_flops / row["fwd_ms"] * 1e-9
                     row["bwd_tflops"] = 2.5 * impl_flops / row["bwd_ms"] * 1e-9
+                    if on_row is not None:
+                        on_row(row)
                 torch.cuda.empty_cache()
     return rows
 
@@ -248,12 +251,21 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("python -m attnzoo.bench.varlen: error: needs a CUDA GPU", file=sys.stderr)
         return 2
-    rows = run(args)
-    if args.out:
-        with open(args.out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(rows)
+    out = open(args.out, "w", newline="") if args.out else None  # noqa: SIM115  (written row by row)
+    writer = csv.DictWriter(out, fieldnames=COLUMNS, extrasaction="ignore") if out else None
+    if writer:
+        writer.writeheader()
+
+    def write(row: dict) -> None:
+        if writer:
+            writer.writerow(row)
+            out.flush()
+
+    try:
+        rows = run(args, write)
+    finally:
+        if out:
+            out.close()
     if args.plot:
         plot(rows, args.plot)
     print(summary(rows))
