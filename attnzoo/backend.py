@@ -229,6 +229,27 @@ class Backend:
         """Why this backend cannot answer the KV-cache call ``kv`` beyond what ``reasons_for(kv.problem)`` says."""
         return []
 
+    def forward_varlen_validated(self, q: Any, k: Any, v: Any, problem: Problem) -> tuple[Any, Any]:
+        """Packed forward (``attnzoo.attention_varlen``) on inputs validated into ``problem``
+        (``attnzoo.varlen.validate_varlen``) -> ``o`` ``[total_q, H, Dv]``, ``lse`` ``[H, total_q]``."""
+        self._check(problem)
+        if q.shape[0] * problem.heads == 0:
+            o = q.new_zeros((q.shape[0], problem.heads, problem.head_dim_v))
+            return o, q.new_zeros((problem.heads, q.shape[0]), dtype=lse_dtype(problem.dtype))
+        with _on_device(problem):
+            return self._forward_varlen(q, k, v, problem)
+
+    def backward_varlen_validated(
+        self, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, problem: Problem
+    ) -> tuple[Any, Any, Any]:
+        """Packed backward on inputs validated into ``problem`` (do, o, lse too: ``attnzoo.varlen``) -> ``dq``,
+        ``dk``, ``dv``, packed as q, k, v."""
+        self._check(problem)
+        if q.shape[0] * problem.heads == 0:  # no query row: nothing reads a key
+            return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+        with _on_device(problem):
+            return self._backward_varlen(do, q, k, v, o, lse, problem)
+
     def _forward(self, q, k, v, problem: Problem) -> tuple[Any, Any]:
         raise NotImplementedError
 

@@ -33,7 +33,7 @@ import torch
 
 from ._env import new_output
 from .autograd import _backend_of, backend_key, default_scale
-from .backend import Backend, _on_device
+from .backend import Backend
 from .validation import Problem, _validate_alibi_slopes, _validate_window, lse_dtype, validate_forward
 
 Tensor = torch.Tensor
@@ -236,13 +236,7 @@ def validate_varlen_backward(problem: Problem, q: Tensor, do: Tensor, o: Tensor,
 
 def run_varlen_forward(backend: Backend, q: Tensor, k: Tensor, v: Tensor, problem: Problem) -> tuple[Tensor, Tensor]:
     """``backend``'s packed forward on a validated call (refused with ``NotImplementedError`` when unsupported)."""
-    backend._check(problem)
-    if q.shape[0] * problem.heads == 0:
-        return q.new_zeros((q.shape[0], problem.heads, problem.head_dim_v)), q.new_zeros(
-            (problem.heads, q.shape[0]), dtype=lse_dtype(problem.dtype)
-        )
-    with _on_device(problem):
-        return backend._forward_varlen(q, k, v, problem)
+    return backend.forward_varlen_validated(q, k, v, problem)
 
 
 def run_varlen_backward(
@@ -250,11 +244,7 @@ def run_varlen_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``backend``'s packed backward on a validated call -> ``dq``, ``dk``, ``dv``."""
     validate_varlen_backward(problem, q, do, o, lse)
-    backend._check(problem)
-    if q.shape[0] * problem.heads == 0:  # no query row: nothing reads a key
-        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-    with _on_device(problem):
-        return backend._backward_varlen(do, q, k, v, o, lse, problem)
+    return backend.backward_varlen_validated(do, q, k, v, o, lse, problem)
 
 
 # -- the operators --------------------------------------------------------------------------------------------------
