@@ -19,7 +19,7 @@ import torch
 
 from . import oracle
 from .backend import Backend
-from .testing import OUTPUTS, AttentionInputs
+from .testing import AttentionInputs, check_outputs
 from .varlen import run_varlen_backward, run_varlen_forward, validate_varlen
 
 Tensor = torch.Tensor
@@ -193,14 +193,7 @@ class VarlenOracle:
                 )  # fmt: skip
                 for name, error in errors.items():
                     contract[name] = max(contract.get(name, 0.0), error)
-        checks = {}
-        for name in OUTPUTS:
-            if name in outputs:
-                baseline = None if self.baseline is None else getattr(self.baseline, name)
-                checks[name] = oracle.check_output(
-                    name, outputs[name], getattr(self.exact, name), baseline, x.q.dtype, contract.get(name, 0.0)
-                )
-        return checks
+        return check_outputs(outputs, self.exact, self.baseline, x.q.dtype, contract)
 
 
 def varlen_oracle_for(
