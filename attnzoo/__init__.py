@@ -7,6 +7,7 @@
 >>> o = attnzoo.sdpa(q, k, v, is_causal=True)     # scaled_dot_product_attention's exact signature and semantics
 >>> o, lse = attnzoo.merge_attention(o_parts, lse_parts)  # results over disjoint key sets -> their union
 >>> o = attnzoo.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new)  # decoding, in-place append
+>>> o = attnzoo.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)  # packed variable-length batches
 """
 
 from . import backends as _backends  # noqa: F401  (registers every backend)
@@ -16,6 +17,7 @@ from .drop_in import sdpa, sdpa_patched
 from .kvcache import attention_with_kvcache
 from .merge import merge_attention
 from .validation import Problem
+from .varlen import attention_varlen
 
 __all__ = [
     "REQUIRED_FEATURES",
@@ -23,6 +25,7 @@ __all__ = [
     "Capabilities",
     "Problem",
     "attention",
+    "attention_varlen",
     "attention_with_kvcache",
     "get",
     "merge_attention",

@@ -29,7 +29,8 @@ Tensor = torch.Tensor
 # Features of SPEC.md that every backend must support; the property tests check the declarations against it.
 # The last four are SPEC.md's score modifiers and a value head dim of its own (issue 25).
 SCORE_MODIFIER_FEATURES = frozenset({"window", "softcap", "alibi", "head_dim_v"})
-REQUIRED_FEATURES = frozenset({"causal", "seqlens_k", "gqa", "nq_ne_nk", "strided"}) | SCORE_MODIFIER_FEATURES
+# "varlen": packed variable-length batches (attnzoo.attention_varlen, issue 26).
+REQUIRED_FEATURES = frozenset({"causal", "seqlens_k", "gqa", "nq_ne_nk", "strided", "varlen"}) | SCORE_MODIFIER_FEATURES
 
 # What a backend that does not declare a feature says in ``not_supported_reasons`` when a call uses it.
 FEATURE_NAMES = {
@@ -41,6 +42,7 @@ FEATURE_NAMES = {
     "softcap": "softcap (logit soft-capping)",
     "alibi": "alibi_slopes (ALiBi)",
     "head_dim_v": "a value head dim Dv != D",
+    "varlen": "packed variable-length batches (cu_seqlens)",
 }
 
 
@@ -227,11 +229,46 @@ class Backend:
         """Why this backend cannot answer the KV-cache call ``kv`` beyond what ``reasons_for(kv.problem)`` says."""
         return []
 
+    def forward_varlen_validated(self, q: Any, k: Any, v: Any, problem: Problem) -> tuple[Any, Any]:
+        """Packed forward (``attnzoo.attention_varlen``) on inputs validated into ``problem``
+        (``attnzoo.varlen.validate_varlen``) -> ``o`` ``[total_q, H, Dv]``, ``lse`` ``[H, total_q]``."""
+        self._check(problem)
+        if q.shape[0] * problem.heads == 0:
+            o = q.new_zeros((q.shape[0], problem.heads, problem.head_dim_v))
+            return o, q.new_zeros((problem.heads, q.shape[0]), dtype=lse_dtype(problem.dtype))
+        with _on_device(problem):
+            return self._forward_varlen(q, k, v, problem)
+
+    def backward_varlen_validated(
+        self, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, problem: Problem
+    ) -> tuple[Any, Any, Any]:
+        """Packed backward on inputs validated into ``problem`` (do, o, lse too: ``attnzoo.varlen``) -> ``dq``,
+        ``dk``, ``dv``, packed as q, k, v."""
+        self._check(problem)
+        if q.shape[0] * problem.heads == 0:  # no query row: nothing reads a key
+            return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+        with _on_device(problem):
+            return self._backward_varlen(do, q, k, v, o, lse, problem)
+
     def _forward(self, q, k, v, problem: Problem) -> tuple[Any, Any]:
         raise NotImplementedError
 
     def _backward(self, do, q, k, v, o, lse, problem: Problem) -> tuple[Any, Any, Any]:
         raise NotImplementedError
+
+    # Packed variable-length batches (``attnzoo.attention_varlen``): by default one dense call per sequence
+    # (``attnzoo.varlen``); a backend with packed kernels overrides these.  ``problem.is_varlen``; q is
+    # ``[total_q, H, D]``, k/v ``[total_k, Hkv, D or Dv]``, o/do ``[total_q, H, Dv]``, lse ``[H, total_q]``; never
+    # empty (total_q * H > 0).
+    def _forward_varlen(self, q, k, v, problem: Problem) -> tuple[Any, Any]:
+        from .varlen import forward_by_sequence
+
+        return forward_by_sequence(self, q, k, v, problem)
+
+    def _backward_varlen(self, do, q, k, v, o, lse, problem: Problem) -> tuple[Any, Any, Any]:
+        from .varlen import backward_by_sequence
+
+        return backward_by_sequence(self, do, q, k, v, o, lse, problem)
 
     def options(self) -> dict[str, Any]:
         """The constructor options of this instance that differ from the registered defaults."""

@@ -58,6 +58,17 @@ def parse_window(text: str) -> tuple[int | None, int | None]:
         raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT (ints or 'none'), got {text!r}") from None
 
 
+def parse_lengths(text: str) -> list[int]:
+    """``--varlen 300,0,17``: non-negative ints, at least one."""
+    try:
+        lengths = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated lengths (ints >= 0), got {text!r}") from None
+    if any(n < 0 for n in lengths):
+        raise argparse.ArgumentTypeError(f"lengths must be >= 0, got {text!r}")
+    return lengths
+
+
 def alibi_slopes(heads: int) -> list[float]:
     """ALiBi's standard slopes (BLOOM): the geometric sequence 2^(-8/n), 2^(-16/n), ... for n a power of two; for
     other head counts, those of the next lower power of two, then every other one of twice that many."""
@@ -102,6 +113,14 @@ def _parser() -> argparse.ArgumentParser:
     cli.add_argument("--softcap", type=cli_types.finite_float, default=0.0, help="logit soft cap (0: off)")
     cli.add_argument("--alibi", action="store_true", help="ALiBi with BLOOM's standard slopes per head")
     cli.add_argument("--Dv", type=cli_types.positive_int, help="value head dim (default: D)")
+    cli.add_argument(
+        "--varlen", type=parse_lengths, metavar="N1,N2,...",
+        help="a packed variable-length batch (attention_varlen) of sequences of these lengths (0 allowed) instead of "
+        "--B/--Nq/--Nk, e.g. 300,0,17,64",
+    )  # fmt: skip
+    cli.add_argument(
+        "--varlen-k", type=parse_lengths, metavar="N1,N2,...", help="with --varlen: key lengths (default: as --varlen)"
+    )
     cli.add_argument("--backends", help=f"comma-separated subset of: {', '.join(names())} (default: all)")
     cli.add_argument(
         "--repeat", type=cli_types.positive_int, default=3, help="timed runs per backend, after one warm-up (median)"
@@ -125,6 +144,13 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, dict, str, list[str]]:
         selected = names() if not args.backends else cli_types.pick_names(args.backends, names(), "backend")
     except ValueError as exc:
         cli.error(f"--backends: {exc}")
+    if args.varlen is None and args.varlen_k is not None:
+        cli.error("--varlen-k needs --varlen (the query lengths)")
+    if args.varlen is not None:
+        if args.varlen_k is not None and len(args.varlen_k) != len(args.varlen):
+            cli.error(f"--varlen-k needs one length per sequence ({len(args.varlen)}), got {len(args.varlen_k)}")
+        if args.seqlens_k is not None or any(getattr(args, n) is not None for n in ("B", "Nq", "Nk")):
+            cli.error("--varlen sets the sequences: it takes no --B, --Nq, --Nk or --seqlens-k")
     if args.seqlens_k not in (None, "random"):
         try:
             seqlens = [int(s) for s in args.seqlens_k.split(",")]
@@ -261,8 +287,77 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *map(fmt, lines)])
 
 
+def run_varlen_backend(
+    backend: Backend, x, causal: bool, scale: float | None, device: str, repeat: int, judge, window, softcap: float
+) -> Row:
+    """One table row of a packed call (``--varlen``): support, errors vs the per-sequence oracle, times."""
+    from .varlen import run_varlen_backward, run_varlen_forward, validate_varlen
+
+    row = Row(backend.name)
+    problem = validate_varlen(
+        x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, None, None, causal, scale, window, softcap, x.alibi_slopes
+    )
+    row.reasons = backend.reasons_for(problem)  # a head dim above the backend's limit among them
+    if row.reasons:
+        return row
+    try:
+        (o, lse), row.fwd_ms = _timed(lambda: run_varlen_forward(backend, x.q, x.k, x.v, problem), device, repeat)
+        grads, row.bwd_ms = _timed(
+            lambda: run_varlen_backward(backend, x.do, x.q, x.k, x.v, o, lse, problem), device, repeat
+        )
+    except Exception as exc:  # a crash is a failed row, not a crashed comparison
+        row.error = f"{type(exc).__name__}: {exc}"
+        return row
+    row.checks = judge.check(dict(zip(OUTPUTS, (o, lse, *grads), strict=True)))
+    return row
+
+
+def main_varlen(args: argparse.Namespace, shape: dict, device: str, selected: list[str]) -> int:
+    """``compare --varlen``: every selected backend on one packed batch, against the oracle run per sequence."""
+    from . import testing_varlen
+
+    lengths_k = args.varlen_k if args.varlen_k is not None else args.varlen
+    x = testing_varlen.random_varlen_inputs(
+        args.varlen, lengths_k, shape["H"], shape["Hkv"], shape["D"], dtype=DTYPES[shape["dtype"]], device=device,
+        seed=args.seed, head_dim_v=shape["Dv"], alibi="heads" if args.alibi else "none",
+    )  # fmt: skip
+    if args.alibi:
+        x = dataclasses.replace(x, alibi_slopes=torch.tensor(alibi_slopes(shape["H"]), device=device))
+    try:  # bad values (a negative softcap, ...): one line, as for a bad flag
+        from .varlen import validate_varlen
+
+        validate_varlen(x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, None, None, args.causal, args.scale,
+                        args.window, args.softcap, x.alibi_slopes)  # fmt: skip
+    except (TypeError, ValueError) as exc:
+        print(f"python -m attnzoo compare: error: {exc}", file=sys.stderr)
+        return 2
+    judge = testing_varlen.varlen_oracle_for(x, args.causal, args.scale, window=args.window, softcap=args.softcap)
+    extras = "" if args.window is None else f", window={args.window}"
+    extras += f", softcap={args.softcap}" if args.softcap else ""
+    extras += ", alibi" if args.alibi else ""
+    print(
+        f"case: packed varlen, query lengths {list(args.varlen)}, key lengths {list(lengths_k)}, H={shape['H']} "
+        f"Hkv={shape['Hkv']} D={shape['D']} Dv={shape['Dv']} {shape['dtype']} causal={args.causal}{extras} on "
+        f"{device}; errors are max |backend - float64 oracle per sequence|, (x bound) their ratio to SPEC.md's bound"
+    )
+    rows = [
+        run_varlen_backend(get(n), x, args.causal, args.scale, device, args.repeat, judge, args.window, args.softcap)
+        for n in selected
+    ]
+    print(format_table(rows))
+    failed = [r.backend for r in rows if not r.reasons and not r.ok]
+    if failed:
+        print(f"outside tolerance: {', '.join(failed)}")
+    if not any(not r.reasons for r in rows):
+        print(f"no selected backend supports this case ({', '.join(selected)})", file=sys.stderr)
+        return 1
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args, shape, device, selected = _parse(argv or [])
+    if args.varlen is not None:
+        return main_varlen(args, shape, device, selected)
     backends = [get(name) for name in selected]
     x = _inputs(shape, device, args)
     kw = dict(

@@ -127,14 +127,26 @@ class Oracle:
             contract = oracle.contract_errors(
                 x.q, x.k, x.v, x.do, self.exact, **kw, stored_o=stored_o, chunked=self.chunked
             )
-        checks = {}
-        for name in OUTPUTS:
-            if name in outputs:
-                baseline = None if self.baseline is None else getattr(self.baseline, name)
-                checks[name] = oracle.check_output(
-                    name, outputs[name], getattr(self.exact, name), baseline, x.q.dtype, contract.get(name, 0.0)
-                )
-        return checks
+        return check_outputs(outputs, self.exact, self.baseline, x.q.dtype, contract)
+
+
+def check_outputs(
+    outputs: Mapping[str, Any],
+    exact: oracle.Result,
+    baseline: oracle.Result | None,
+    dtype: torch.dtype,
+    contract: Mapping[str, float],
+) -> dict[str, oracle.Check]:
+    """Each of ``outputs`` (those of :data:`OUTPUTS` given) against the oracle's ``exact`` under SPEC.md's rule, with
+    plain PyTorch's ``baseline`` and the ``contract`` errors of the gradients (``oracle.contract_errors``)."""
+    checks = {}
+    for name in OUTPUTS:
+        if name in outputs:
+            base = None if baseline is None else getattr(baseline, name)
+            checks[name] = oracle.check_output(
+                name, outputs[name], getattr(exact, name), base, dtype, contract.get(name, 0.0)
+            )
+    return checks
 
 
 def oracle_for(

@@ -63,6 +63,10 @@ class Problem:
     softcap: float = 0.0
     seqlens_k: Any = field(default=None, compare=False, repr=False)
     alibi_slopes: Any = field(default=None, compare=False, repr=False)
+    # A packed variable-length call (``attnzoo.attention_varlen``, validated by ``attnzoo.varlen``): int32 ``[B + 1]``
+    # offsets of each sequence's rows; ``seqlen_q``/``seqlen_k`` are then the longest sequence's (or their hints).
+    cu_seqlens_q: Any = field(default=None, compare=False, repr=False)
+    cu_seqlens_k: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.head_dim_v == 0:
@@ -82,6 +86,11 @@ class Problem:
         return self.alibi_slopes is not None
 
     @property
+    def is_varlen(self) -> bool:
+        """A packed variable-length call: q ``[total_q, H, D]``, k/v ``[total_k, Hkv, D]`` and ``cu_seqlens_*``."""
+        return self.cu_seqlens_q is not None
+
+    @property
     def features_used(self) -> frozenset[str]:
         """The SPEC.md features this call needs beyond plain attention (names as in ``Capabilities.features``)."""
         used = {
@@ -93,6 +102,7 @@ class Problem:
             "softcap": self.softcap != 0.0,
             "alibi": self.has_alibi,
             "head_dim_v": self.head_dim_v != self.head_dim,
+            "varlen": self.is_varlen,
         }
         return frozenset(name for name, on in used.items() if on)
 

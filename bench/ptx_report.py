@@ -38,7 +38,7 @@ KERNELS = {"forward": attention_forward_kernel, "dkdv": dkdv_kernel, "dq": dq_ke
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 FLOAT32_POINTERS = ("lse_ptr", "lse2_ptr", "delta_ptr", "dk_acc_ptr", "dv_acc_ptr", "alibi_ptr")
-INT32_POINTERS = ("seqlens_ptr", "counts_ptr")
+INT32_POINTERS = ("seqlens_ptr", "counts_ptr", "cu_seqlens_q", "cu_seqlens_k")
 SCALARS = ("sm_scale", "qk_scale", "cap_in", "cap_out")
 
 
@@ -54,14 +54,17 @@ def source(
     kernel, dtype: str, d: int, cfg: KernelConfig, causal: bool, q_tail: bool, modifiers: frozenset[str] = frozenset()
 ) -> ASTSource:
     """The kernel as a launch on contiguous ``[B, H, N, d]`` tensors of ``dtype`` would specialise it; ``modifiers``:
-    "window" (a left bound, as causal sliding windows have), "softcap" (the GPU's fp16/bf16 form), "alibi"."""
+    "window" (a left bound, as causal sliding windows have), "softcap" (the GPU's fp16/bf16 form), "alibi", "varlen"
+    (a packed batch: the masked stage and Q-side row predicates always, no TMA)."""
     block_d = head_dim_tile(d)
     plain = not {"softcap", "alibi"} & modifiers
+    varlen = "varlen" in modifiers
     flags = dict(
         EVEN_D=d == block_d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
-        HAS_SEQLENS=False, DOT_PRECISION="ieee", DEBUG=False, Q_TAIL=q_tail, DELTA_RECOMPUTE=False,
-        FOLD_SCALE=folds_scale(1.0, block_d) and plain, MASK_STAGE=causal,  # as for N % 128 == 0, no seqlens_k
-        USE_TMA=cfg.tma, BLOCK_DV=block_d, EVEN_DV=d == block_d, DV_IS_D=True, WINDOW_LEFT="window" in modifiers,
+        HAS_SEQLENS=False, DOT_PRECISION="ieee", DEBUG=False, Q_TAIL=q_tail or varlen, DELTA_RECOMPUTE=False,
+        FOLD_SCALE=folds_scale(1.0, block_d) and plain, MASK_STAGE=causal or varlen,  # as for N % 128 == 0
+        USE_TMA=cfg.tma and not varlen, VARLEN=varlen, BLOCK_DV=block_d, EVEN_DV=d == block_d, DV_IS_D=True,
+        WINDOW_LEFT="window" in modifiers,
         WINDOW_RIGHT=False, SOFTCAP=2 if "softcap" in modifiers else 0, ALIBI="alibi" in modifiers,
     )  # fmt: skip
     signature, constexprs, attrs = {}, {}, {}
@@ -73,7 +76,7 @@ def source(
         elif name.endswith("_desc"):  # the forward's K/V: a [1, 1, BLOCK_N, BLOCK_D] box, or an unused pointer
             box = f"1, 1, {cfg.block_n}, {block_d}"
             signature[name] = f"tensordesc<{DTYPES[dtype]}[{box}]>" if cfg.tma else f"*{DTYPES[dtype]}"
-        elif name.endswith("_ptr"):
+        elif name.endswith("_ptr") or name in INT32_POINTERS:
             elem = "fp32" if name in FLOAT32_POINTERS else "i32" if name in INT32_POINTERS else DTYPES[dtype]
             signature[name], attrs[(i,)] = f"*{elem}", [["tt.divisibility", 16]]
         elif name in SCALARS:
@@ -180,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--modifiers",
         default="",
-        help="comma list of window, softcap, alibi (Triton kernels; the GPU's fp16/bf16 form)",
+        help="comma list of window, softcap, alibi, varlen (Triton kernels; the GPU's fp16/bf16 form)",
     )
     args = parser.parse_args(argv)
     modifiers = frozenset(filter(None, args.modifiers.split(",")))

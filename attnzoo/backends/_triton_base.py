@@ -122,6 +122,13 @@ class TritonBackend(Backend):
     def _backward(self, do, q, k, v, o, lse, problem):
         return self.backward_prepared(self.prepare(q, k, v, problem), do, o, lse)
 
+    def _forward_varlen(self, q, k, v, problem):
+        # The packed tensors as they are: the kernels map programs to (sequence, block) pairs (kernels/common.py).
+        return kernels().forward(self.prepare(q, k, v, problem))
+
+    def _backward_varlen(self, do, q, k, v, o, lse, problem):
+        return self.backward_prepared(self.prepare(q, k, v, problem), do, o, lse)
+
     def backward_prepared(self, call, do, o, lse):
         """The backward kernels on a prepared call -> dq, dk, dv."""
         raise NotImplementedError

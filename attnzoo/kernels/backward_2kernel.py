@@ -27,7 +27,6 @@ from .backward_gluon import attention_dkdv_hopper
 from .common import (
     LOG2E,
     alibi_slope2,
-    as_int64,
     head_rows,
     kv_block_opening,
     kv_loop_bounds,
@@ -38,10 +37,11 @@ from .common import (
     q_loop_bounds,
     recompute_tile_p,
     row_delta,
+    row_stats_offset,
     store_rows,
 )
 from .gluon_hopper import record_compile_failure
-from .launch import KernelVariant, PreparedCall, grid_1d, int32_addressable, num_blocks, run, tensor_args
+from .launch import KernelVariant, PreparedCall, grid_1d, int32_addressable, run, tensor_args
 
 
 @triton.jit
@@ -99,7 +99,7 @@ def _dkdv_stage(
 # Sizes vary per call: no per-value specialisation (one compiled kernel per tile shape, dtype and flags).
 @triton.jit(do_not_specialize=[
     "head_dim", "num_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "num_n_blocks", "head_dim_v",
-    "window_left", "window_right", "stride_alibi_b", "stride_alibi_h",
+    "window_left", "window_right", "stride_alibi_b", "stride_alibi_h", "num_sequences", "search_steps",
 ])  # fmt: skip
 def dkdv_kernel(
     q_ptr, stride_qb, stride_qh, stride_qm, stride_qd,
@@ -111,6 +111,7 @@ def dkdv_kernel(
     lse2_ptr, delta_ptr, seqlens_ptr, counts_ptr,
     num_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, num_n_blocks, sm_scale, qk_scale, head_dim,
     head_dim_v, window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h,
+    cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps, VARLEN: tl.constexpr,
     EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_DV: tl.constexpr, DV_IS_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
@@ -130,6 +131,8 @@ def dkdv_kernel(
     strides (both allocated contiguous, so their column strides are both 1), so a call without its own Dv compiles
     as before.
     DEBUG writes (visited, skipped) Q tile counts, summed over the group.
+    VARLEN: packed tensors, lse2/Delta ``[H, total_q]``, one key block of one sequence per program
+    (``common.kv_block_opening``); keys of a sequence without query rows get zero gradients.
     """
     if DV_IS_D:
         head_dim_v = head_dim
@@ -143,15 +146,20 @@ def dkdv_kernel(
     dk_out = (dk_ptr, stride_dkb, stride_dkh, stride_dkn, stride_dkd)
     dv_out = (dv_ptr, stride_dvb, stride_dvh, stride_dvn, stride_dvd)
     pid = tl.program_id(0)
-    batch, kv_head, start_n, seqlen_k_b = kv_block_opening(
-        pid, num_n_blocks, num_kv_heads, seqlens_ptr, seqlen_k, BLOCK_N, HAS_SEQLENS
+    varlen = (cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps)
+    total_q = seqlen_q
+    batch, kv_head, start_n, q_first, k_first, seqlen_q, seqlen_k, seqlen_k_b = kv_block_opening(
+        pid, num_n_blocks, num_kv_heads, seqlens_ptr, seqlen_q, seqlen_k, varlen, BLOCK_N, HAS_SEQLENS, VARLEN
     )
+    if VARLEN:  # noqa: SIM102  (a constexpr test first: a dense kernel compiles no check)
+        if start_n >= seqlen_k:
+            return
     local_n = tl.arange(0, BLOCK_N)
     keys = start_n + local_n
     cols = tl.arange(0, BLOCK_D)
     cols_v = tl.arange(0, BLOCK_DV)
-    k_tile = load_rows(head_rows(k, batch, kv_head), start_n, local_n, cols, seqlen_k_b, head_dim, EVEN_D, True)
-    v_tile = load_rows(head_rows(v, batch, kv_head), start_n, local_n, cols_v, seqlen_k_b, head_dim_v, EVEN_DV, True)
+    k_tile = load_rows(head_rows(k, k_first, kv_head), start_n, local_n, cols, seqlen_k_b, head_dim, EVEN_D, True)
+    v_tile = load_rows(head_rows(v, k_first, kv_head), start_n, local_n, cols_v, seqlen_k_b, head_dim_v, EVEN_DV, True)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
@@ -164,9 +172,9 @@ def dkdv_kernel(
     band = (window_left, window_right)
     for g in range(0, group_size):
         head = kv_head * group_size + g
-        q_rows = head_rows(q, batch, head)
-        do_rows = head_rows(do, batch, head)
-        row_offset = (batch * num_heads + head).to(tl.int64) * seqlen_q
+        q_rows = head_rows(q, q_first, head)
+        do_rows = head_rows(do, q_first, head)
+        row_offset = row_stats_offset(batch * num_heads + head, head, q_first, total_q, VARLEN)
         lse2_row_ptr = lse2_ptr + row_offset
         delta_row_ptr = delta_ptr + row_offset
         modifiers = (cap_in, cap_out, alibi_slope2(alibi_ptr, batch, head, stride_alibi_b, stride_alibi_h, ALIBI))
@@ -191,8 +199,8 @@ def dkdv_kernel(
                 ALIBI, MASKED=True, Q_TAIL=Q_TAIL, DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
 
-    store_rows(head_rows(dk_out, batch, kv_head), dk * sm_scale, start_n, local_n, cols, seqlen_k, head_dim, EVEN_D)
-    store_rows(head_rows(dv_out, batch, kv_head), dv, start_n, local_n, cols_v, seqlen_k, head_dim_v, EVEN_DV)
+    store_rows(head_rows(dk_out, k_first, kv_head), dk * sm_scale, start_n, local_n, cols, seqlen_k, head_dim, EVEN_D)
+    store_rows(head_rows(dv_out, k_first, kv_head), dv, start_n, local_n, cols_v, seqlen_k, head_dim_v, EVEN_DV)
     if DEBUG:
         total = tl.cdiv(seqlen_q, BLOCK_M) * group_size
         tl.store(counts_ptr + pid * 2, visited)
@@ -243,7 +251,7 @@ def _dq_stage(
 # Sizes vary per call: no per-value specialisation (one compiled kernel per tile shape, dtype and flags).
 @triton.jit(do_not_specialize=[
     "head_dim", "num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks", "head_dim_v", "window_left",
-    "window_right", "stride_alibi_b", "stride_alibi_h",
+    "window_right", "stride_alibi_b", "stride_alibi_h", "num_sequences", "search_steps",
 ])  # fmt: skip
 def dq_kernel(
     q_ptr, stride_qb, stride_qh, stride_qm, stride_qd,
@@ -255,6 +263,7 @@ def dq_kernel(
     lse_ptr, lse2_ptr, delta_ptr, k_desc, v_desc, seqlens_ptr, counts_ptr,
     num_heads, group_size, seqlen_q, seqlen_k, num_m_blocks, sm_scale, qk_scale, head_dim,
     head_dim_v, window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h,
+    cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps, VARLEN: tl.constexpr,
     EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_DV: tl.constexpr, DV_IS_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
@@ -267,6 +276,7 @@ def dq_kernel(
     edge (WINDOW_LEFT), the unmasked tiles, the right edge or padding (MASK_STAGE).  o and do have v's head dim
     (``head_dim_v``, tile BLOCK_DV; DV_IS_D: q's, read from ``head_dim``).
     USE_TMA: the unmasked stage loads K/V through the descriptors ``k_desc``/``v_desc`` (box ``[BLOCK_N, BLOCK_D]``).
+    VARLEN: packed tensors, lse/lse2/Delta ``[H, total_q]``, one block of one sequence per program (as the forward).
     """
     if DV_IS_D:
         head_dim_v = head_dim
@@ -276,22 +286,28 @@ def dq_kernel(
     o = (o_ptr, stride_ob, stride_oh, stride_om, stride_od)
     do = (do_ptr, stride_dob, stride_doh, stride_dom, stride_dod)
     dq_out = (dq_ptr, stride_dqb, stride_dqh, stride_dqm, stride_dqd)
-    bh, m_block, batch, head, kv_head, start_m, seqlen_k_b = q_block_opening(
-        tl.program_id(0), num_m_blocks, num_heads, group_size, seqlens_ptr, seqlen_k, BLOCK_M, CAUSAL, HAS_SEQLENS
-    )
+    varlen = (cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps)
+    total_q = seqlen_q
+    bh, m_block, batch, head, kv_head, start_m, q_first, k_first, seqlen_q, seqlen_k, seqlen_k_b = q_block_opening(
+        tl.program_id(0), num_m_blocks, num_heads, group_size, seqlens_ptr, seqlen_q, seqlen_k, varlen,
+        BLOCK_M, CAUSAL, HAS_SEQLENS, VARLEN,
+    )  # fmt: skip
+    if VARLEN:  # noqa: SIM102  (a constexpr test first: a dense kernel compiles no check)
+        if start_m >= seqlen_q:
+            return
     local_m = tl.arange(0, BLOCK_M)
     rows = start_m + local_m
     cols = tl.arange(0, BLOCK_D)
     cols_v = tl.arange(0, BLOCK_DV)
-    k_rows = head_rows(k, batch, kv_head)
-    v_rows = head_rows(v, batch, kv_head)
-    q_tile = load_rows(head_rows(q, batch, head), start_m, local_m, cols, seqlen_q, head_dim, EVEN_D, True)
-    do_tile = load_rows(head_rows(do, batch, head), start_m, local_m, cols_v, seqlen_q, head_dim_v, EVEN_DV, True)
+    k_rows = head_rows(k, k_first, kv_head)
+    v_rows = head_rows(v, k_first, kv_head)
+    q_tile = load_rows(head_rows(q, q_first, head), start_m, local_m, cols, seqlen_q, head_dim, EVEN_D, True)
+    do_tile = load_rows(head_rows(do, q_first, head), start_m, local_m, cols_v, seqlen_q, head_dim_v, EVEN_DV, True)
     # Delta_i = rowsum(dO_i * O_i), from the dO tile already resident: one more [BLOCK_M, Dv] load per program
     # instead of a separate pass over O and dO.  Stored for the dK/dV kernel, which runs after this one.
-    o_tile = load_rows(head_rows(o, batch, head), start_m, local_m, cols_v, seqlen_q, head_dim_v, EVEN_DV, True)
+    o_tile = load_rows(head_rows(o, q_first, head), start_m, local_m, cols_v, seqlen_q, head_dim_v, EVEN_DV, True)
     delta = row_delta(o_tile, do_tile)
-    row_offset = as_int64(bh) * seqlen_q
+    row_offset = row_stats_offset(bh, head, q_first, total_q, VARLEN)
     tl.store(delta_ptr + row_offset + rows, delta, mask=rows < seqlen_q)
     lse2 = load_lse2(lse_ptr + row_offset + rows, rows, seqlen_q, True)
     tl.store(lse2_ptr + row_offset + rows, lse2, mask=rows < seqlen_q)
@@ -325,7 +341,7 @@ def dq_kernel(
             EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI,
             MASKED=True, USE_TMA=False, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
-    store_rows(head_rows(dq_out, batch, head), dq * sm_scale, start_m, local_m, cols, seqlen_q, head_dim, EVEN_D)
+    store_rows(head_rows(dq_out, q_first, head), dq * sm_scale, start_m, local_m, cols, seqlen_q, head_dim, EVEN_D)
     if DEBUG:
         program = bh * num_m_blocks + m_block
         total = tl.cdiv(seqlen_k, BLOCK_N)
@@ -337,18 +353,18 @@ def attention_backward_2kernel(
     call: PreparedCall, do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq ``[B, H, Nq, D]``, dk ``[B, Hkv, Nk, D]``, dv ``[B, Hkv, Nk, Dv]`` (dtype of q; dk/dv summed over each head
-    group); ``do``, ``o``: ``[B, H, Nq, Dv]``."""
+    group); ``do``, ``o``: ``[B, H, Nq, Dv]``.  Packed (``call.varlen``): the packed shapes, lse ``[H, total_q]``."""
     q, k, v = call.q, call.k, call.v
-    B, H, Nq, D = q.shape
-    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    H, Hkv, D = call.problem.heads, call.problem.kv_heads, call.problem.head_dim
+    Nq, Nk = call.seqlen_q, call.seqlen_k  # packed: total_q, total_k
     lse = lse.contiguous()
     do, o = int32_addressable(do), int32_addressable(o)
     # Per-row statistics for the dK/dV kernel, written by the dQ kernel: lse in base 2, and Delta.
-    lse2 = call.new_output((B, H, Nq), torch.float32)
-    delta = call.new_output((B, H, Nq), torch.float32)
-    dq = call.new_output((B, H, Nq, D), q.dtype)
-    dk = call.new_output((B, Hkv, Nk, D), q.dtype)
-    dv = call.new_output((B, Hkv, Nk, Dv), q.dtype)
+    lse2 = call.new_output(call.row_stats_shape, torch.float32)
+    delta = call.new_output(call.row_stats_shape, torch.float32)
+    dq = call.new_output(q.shape, q.dtype)
+    dk = call.new_output(k.shape, q.dtype)
+    dv = call.new_output(v.shape, q.dtype)
     qk_scale = call.scale * LOG2E
     hopper_dkdv = not call.gluon_reasons(KernelVariant.DKDV, do)
     modifiers = call.modifiers
@@ -363,26 +379,28 @@ def attention_backward_2kernel(
                 return
             except CompilationError as error:  # Gluon's API drifted (frontend error): the Triton kernel's tiles serve
                 record_compile_failure(error)
-        num_n_blocks = num_blocks(Nk, cfg.block_n)
-        programs = num_n_blocks * B * Hkv
+        num_n_blocks = call.kv_slots(cfg.block_n)
+        programs = call.kv_programs(cfg.block_n)
         dkdv_kernel[grid_1d(programs)](
             *tensor_args(q), *tensor_args(k), *tensor_args(v), *tensor_args(do), *tensor_args(dk), *tensor_args(dv),
             lse2, delta, call.seqlens, call.counts_for(KernelVariant.DKDV, programs),
             H, Hkv, call.group_size, Nq, Nk, num_n_blocks, call.scale, qk_scale, D, *modifiers.args,
+            *call.varlen_args, VARLEN=call.varlen,
             EVEN_D=call.even_d, BLOCK_D=call.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=call.causal, HAS_SEQLENS=call.has_seqlens, Q_TAIL=Nq % cfg.block_m != 0,
+            CAUSAL=call.causal, HAS_SEQLENS=call.has_seqlens, Q_TAIL=call.varlen or Nq % cfg.block_m != 0,
             MASK_STAGE=call.mask_stage_needed(cfg.block_n), DOT_PRECISION=call.dot_precision, DEBUG=call.debug,
             **modifiers.flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
     def launch_dq(cfg) -> None:
-        num_m_blocks = num_blocks(Nq, cfg.block_m)
+        num_m_blocks = call.q_slots(cfg.block_m)
         use_tma, k_desc, v_desc = call.kv_tile_descriptors(cfg)
-        programs = num_m_blocks * B * H
+        programs = call.q_programs(cfg.block_m)
         dq_kernel[grid_1d(programs)](
             *tensor_args(q), *tensor_args(k), *tensor_args(v), *tensor_args(o), *tensor_args(do), *tensor_args(dq),
             lse, lse2, delta, k_desc, v_desc, call.seqlens, call.counts_for(KernelVariant.DQ, programs),
             H, call.group_size, Nq, Nk, num_m_blocks, call.scale, qk_scale, D, *modifiers.args,
+            *call.varlen_args, VARLEN=call.varlen,
             EVEN_D=call.even_d, BLOCK_D=call.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=call.causal, HAS_SEQLENS=call.has_seqlens, MASK_STAGE=call.mask_stage_needed(cfg.block_n),
             USE_TMA=use_tma, DOT_PRECISION=call.dot_precision, DEBUG=call.debug, **modifiers.flags,

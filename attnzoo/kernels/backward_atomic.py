@@ -31,6 +31,7 @@ from .common import (
     q_block_opening,
     recompute_tile_p,
     row_delta,
+    row_stats_offset,
     store_rows,
     tile_in_bounds,
     tile_pointers,
@@ -71,10 +72,14 @@ def delta_preprocess_kernel(
 
 
 def compute_delta(call: PreparedCall, o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
-    """``Delta = rowsum(dO * O)`` -> float32 ``[B, H, Nq]`` (one pass over O and dO instead of over K/V).
+    """``Delta = rowsum(dO * O)`` -> float32 ``[B, H, Nq]`` (one pass over O and dO instead of over K/V); packed
+    (``call.varlen``), ``[1, H, total_q]``: the ``[H, total_q]`` layout the kernels read (a sum per row needs no
+    sequence boundaries, so the packed rows are one sequence here).
 
     (The two-kernel backward computes the same sum inside its dQ kernel instead.)
     """
+    if call.varlen:
+        o, do = o.transpose(0, 1).unsqueeze(0), do.transpose(0, 1).unsqueeze(0)
     B, H, Nq, Dv = o.shape
     delta = call.new_output((B, H, Nq), torch.float32)
     block_m = INTERPRETER_CONFIG.block_m if triton_interpreter_active() else PREPROCESS_BLOCK_M
@@ -160,7 +165,7 @@ def _atomic_stage(
 # Sizes vary per call: no per-value specialisation (one compiled kernel per tile shape, dtype and flags).
 @triton.jit(do_not_specialize=[
     "head_dim", "num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks", "head_dim_v", "window_left",
-    "window_right", "stride_alibi_b", "stride_alibi_h",
+    "window_right", "stride_alibi_b", "stride_alibi_h", "num_sequences", "search_steps",
 ])  # fmt: skip
 def atomic_backward_kernel(
     q_ptr, stride_qb, stride_qh, stride_qm, stride_qd,
@@ -173,6 +178,7 @@ def atomic_backward_kernel(
     lse_ptr, delta_ptr, seqlens_ptr, counts_ptr,
     num_heads, group_size, seqlen_q, seqlen_k, num_m_blocks, sm_scale, qk_scale, head_dim,
     head_dim_v, window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h,
+    cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps, VARLEN: tl.constexpr,
     EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_DV: tl.constexpr, DV_IS_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
@@ -186,6 +192,8 @@ def atomic_backward_kernel(
     run is not compiled.  do and v have their own head dim (``head_dim_v``; DV_IS_D: q's, read from ``head_dim``, and
     the dV accumulator takes dK's strides).
     DEBUG writes (visited, skipped) K/V tile counts of the main (atomic) pass.
+    VARLEN: packed tensors and accumulators, lse/Delta ``[H, total_q]``, one block of one sequence per program (as the
+    forward); the atomic additions stop at the sequence's last key.
     """
     if DV_IS_D:
         head_dim_v = head_dim
@@ -199,20 +207,26 @@ def atomic_backward_kernel(
     dq_out = (dq_ptr, stride_dqb, stride_dqh, stride_dqm, stride_dqd)
     dk_acc = (dk_acc_ptr, stride_dk_accb, stride_dk_acch, stride_dk_accn, stride_dk_accd)
     dv_acc = (dv_acc_ptr, stride_dv_accb, stride_dv_acch, stride_dv_accn, stride_dv_accd)
-    bh, m_block, batch, head, kv_head, start_m, seqlen_k_b = q_block_opening(
-        tl.program_id(0), num_m_blocks, num_heads, group_size, seqlens_ptr, seqlen_k, BLOCK_M, CAUSAL, HAS_SEQLENS
-    )
+    varlen = (cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps)
+    total_q = seqlen_q
+    bh, m_block, batch, head, kv_head, start_m, q_first, k_first, seqlen_q, seqlen_k, seqlen_k_b = q_block_opening(
+        tl.program_id(0), num_m_blocks, num_heads, group_size, seqlens_ptr, seqlen_q, seqlen_k, varlen,
+        BLOCK_M, CAUSAL, HAS_SEQLENS, VARLEN,
+    )  # fmt: skip
+    if VARLEN:  # noqa: SIM102  (a constexpr test first: a dense kernel compiles no check)
+        if start_m >= seqlen_q:
+            return
     local_m = tl.arange(0, BLOCK_M)
     rows = start_m + local_m
     cols = tl.arange(0, BLOCK_D)
     cols_v = tl.arange(0, BLOCK_DV)
-    k_rows = head_rows(k, batch, kv_head)
-    v_rows = head_rows(v, batch, kv_head)
-    dk_acc_rows = head_rows(dk_acc, batch, kv_head)
-    dv_acc_rows = head_rows(dv_acc, batch, kv_head)
-    q_tile = load_rows(head_rows(q, batch, head), start_m, local_m, cols, seqlen_q, head_dim, EVEN_D, True)
-    do_tile = load_rows(head_rows(do, batch, head), start_m, local_m, cols_v, seqlen_q, head_dim_v, EVEN_DV, True)
-    row_offset = as_int64(bh) * seqlen_q
+    k_rows = head_rows(k, k_first, kv_head)
+    v_rows = head_rows(v, k_first, kv_head)
+    dk_acc_rows = head_rows(dk_acc, k_first, kv_head)
+    dv_acc_rows = head_rows(dv_acc, k_first, kv_head)
+    q_tile = load_rows(head_rows(q, q_first, head), start_m, local_m, cols, seqlen_q, head_dim, EVEN_D, True)
+    do_tile = load_rows(head_rows(do, q_first, head), start_m, local_m, cols_v, seqlen_q, head_dim_v, EVEN_DV, True)
+    row_offset = row_stats_offset(bh, head, q_first, total_q, VARLEN)
     lse2 = load_lse2(lse_ptr + row_offset + rows, rows, seqlen_q, True)
     start, unmasked_start, unmasked_end, end = kv_loop_bounds(
         start_m, seqlen_q, seqlen_k, seqlen_k_b, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
@@ -266,7 +280,7 @@ def atomic_backward_kernel(
             head_dim_v, band, modifiers, EVEN_D, BLOCK_D, EVEN_DV, BLOCK_DV, BLOCK_N, CAUSAL, WINDOW_LEFT,
             WINDOW_RIGHT, SOFTCAP, ALIBI, MASKED=True, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
-    store_rows(head_rows(dq_out, batch, head), dq * sm_scale, start_m, local_m, cols, seqlen_q, head_dim, EVEN_D)
+    store_rows(head_rows(dq_out, q_first, head), dq * sm_scale, start_m, local_m, cols, seqlen_q, head_dim, EVEN_D)
     if DEBUG:
         program = bh * num_m_blocks + m_block
         total = tl.cdiv(seqlen_k, BLOCK_N)
@@ -285,17 +299,17 @@ def attention_backward_atomic(
     if delta_mode not in DELTA_MODES:
         raise ValueError(f"delta must be one of {DELTA_MODES}, got {delta_mode!r}")
     q, k, v = call.q, call.k, call.v
-    B, H, Nq, D = q.shape
-    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    H, D = call.problem.heads, call.problem.head_dim
+    Nq, Nk = call.seqlen_q, call.seqlen_k  # packed: total_q, total_k
     lse = lse.contiguous()
     do, o = int32_addressable(do), int32_addressable(o)
     recompute = delta_mode == "recompute"
     variant = KernelVariant.ATOMIC_RECOMPUTE if recompute else KernelVariant.ATOMIC_PREPROCESS
     delta = _placeholder(q.device) if recompute else compute_delta(call, o, do)  # not read when recomputing
-    dq = call.new_output((B, H, Nq, D), q.dtype)
+    dq = call.new_output(q.shape, q.dtype)
     # float32 sums; zeroed before every launch (also before each autotuning trial) by reset().
-    dk_acc = torch.empty((B, Hkv, Nk, D), dtype=torch.float32, device=q.device)
-    dv_acc = torch.empty((B, Hkv, Nk, Dv), dtype=torch.float32, device=q.device)
+    dk_acc = torch.empty(k.shape, dtype=torch.float32, device=q.device)
+    dv_acc = torch.empty(v.shape, dtype=torch.float32, device=q.device)
     modifiers = call.modifiers
 
     def reset() -> None:
@@ -303,12 +317,13 @@ def attention_backward_atomic(
         dv_acc.zero_()
 
     def launch(cfg) -> None:
-        num_m_blocks = num_blocks(Nq, cfg.block_m)
-        programs = num_m_blocks * B * H
+        num_m_blocks = call.q_slots(cfg.block_m)
+        programs = call.q_programs(cfg.block_m)
         atomic_backward_kernel[grid_1d(programs)](
             *tensor_args(q), *tensor_args(k), *tensor_args(v), *tensor_args(do), *tensor_args(dq),
             *tensor_args(dk_acc), *tensor_args(dv_acc), lse, delta, call.seqlens, call.counts_for(variant, programs),
             H, call.group_size, Nq, Nk, num_m_blocks, call.scale, call.scale * LOG2E, D, *modifiers.args,
+            *call.varlen_args, VARLEN=call.varlen,
             EVEN_D=call.even_d, BLOCK_D=call.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=call.causal, HAS_SEQLENS=call.has_seqlens, DELTA_RECOMPUTE=recompute,
             MASK_STAGE=call.mask_stage_needed(cfg.block_n), DOT_PRECISION=call.dot_precision, DEBUG=call.debug,

@@ -192,28 +192,107 @@ def q_block_program(pid, num_m_blocks, num_heads, group_size, CAUSAL: tl.constex
 
 
 @triton.jit
+def varlen_block(slot, cu_seqlens_ptr, num_sequences, search_steps, BLOCK: tl.constexpr):
+    """Which block of which sequence slot ``slot`` of a packed grid computes -> ``(sequence, block, first_row,
+    length)``, from the int32 offsets ``cu_seqlens`` ``[B + 1]`` alone (no host read, no prefix sum of block counts).
+
+    Sequence ``b`` (rows ``[s, e)``) owns the slots ``[t_b, t_{b+1})`` with ``t_b = s // BLOCK + b``: that is
+    ``e // BLOCK - s // BLOCK + 1`` slots, at least ``cdiv(e - s, BLOCK)`` and at most one more.  So a grid of
+    ``total // BLOCK + B`` slots covers every block of every sequence, with at most one idle slot per sequence (its
+    ``block * BLOCK >= length``: the program returns at once).  ``t`` increases strictly with ``b``; the sequence is
+    the last ``b`` with ``t_b <= slot``, found by bisection in ``search_steps = ceil(log2(B + 1))`` steps.
+    """
+    lo = tl.zeros([], tl.int32)
+    hi = num_sequences + tl.zeros([], tl.int32)  # invariant: t_lo <= slot < t_hi (t_B is the slot count)
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        below = tl.load(cu_seqlens_ptr + mid) // BLOCK + mid <= slot
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    first = tl.load(cu_seqlens_ptr + lo)
+    length = tl.load(cu_seqlens_ptr + lo + 1) - first
+    return lo, slot - (first // BLOCK + lo), first, length
+
+
+@triton.jit
 def q_block_opening(
-    pid, num_m_blocks, num_heads, group_size, seqlens_ptr, seqlen_k,
-    BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+    pid, num_m_blocks, num_heads, group_size, seqlens_ptr, seqlen_q, seqlen_k, varlen,
+    BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEQLENS: tl.constexpr, VARLEN: tl.constexpr,
 ):  # fmt: skip
     """The opening of a Q-stationary program (the forward, the dQ kernel, the atomic backward) ->
-    ``(bh, m_block, batch, head, kv_head, start_m, seqlen_k_b)``: its block (``q_block_program``), the block's first
-    row, and the number of keys its batch may see (``batch_seqlen_k``)."""
-    bh, m_block, batch, head, kv_head = q_block_program(pid, num_m_blocks, num_heads, group_size, CAUSAL)
-    seqlen_k_b = batch_seqlen_k(seqlens_ptr, batch, seqlen_k, HAS_SEQLENS)
-    return bh, m_block, batch, head, kv_head, m_block * BLOCK_M, seqlen_k_b
+    ``(bh, m_block, batch, head, kv_head, start_m, q_first, k_first, seqlen_q, seqlen_k, seqlen_k_b)``; a kernel
+    rebinds its ``seqlen_q``/``seqlen_k`` to the returned ones.
+
+    Dense (grid ``num_m_blocks * B * H``): the block of ``q_block_program``; ``q_first = k_first = batch`` index the
+    tensors' batch dim (``head_rows``), ``seqlen_q``/``seqlen_k`` are Nq and Nk as given (they set the bottom-right
+    diagonal), ``seqlen_k_b`` the keys the batch may see (``batch_seqlen_k``).
+    VARLEN, a packed batch (``varlen = (cu_seqlens_q, cu_seqlens_k, B, search_steps)``; grid ``num_m_blocks * H``
+    with ``num_m_blocks = total_q // BLOCK_M + B`` slots per head, ``varlen_block``): ``batch`` is the sequence,
+    ``q_first``/``k_first`` its first query and key rows (the host passes a packed tensor's row stride as its batch
+    stride, so ``head_rows`` addresses them), the lengths its own.  ``start_m >= seqlen_q``: an idle slot.
+    """
+    if VARLEN:
+        cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps = varlen
+        head = pid // num_m_blocks
+        slot = pid % num_m_blocks
+        if CAUSAL:  # the longest rows of each sequence first, as q_block_program does
+            slot = num_m_blocks - 1 - slot
+        batch, m_block, q_first, seq_q = varlen_block(slot, cu_seqlens_q, num_sequences, search_steps, BLOCK_M)
+        k_first = tl.load(cu_seqlens_k + batch)
+        seq_k = tl.load(cu_seqlens_k + batch + 1) - k_first
+        bh = head
+        kv_head = head // group_size
+        seqlen_k_b = seq_k
+    else:
+        bh, m_block, batch, head, kv_head = q_block_program(pid, num_m_blocks, num_heads, group_size, CAUSAL)
+        seqlen_k_b = batch_seqlen_k(seqlens_ptr, batch, seqlen_k, HAS_SEQLENS)
+        q_first = batch
+        k_first = batch
+        seq_q = seqlen_q
+        seq_k = seqlen_k
+    return bh, m_block, batch, head, kv_head, m_block * BLOCK_M, q_first, k_first, seq_q, seq_k, seqlen_k_b
 
 
 @triton.jit
 def kv_block_opening(
-    pid, num_n_blocks, num_kv_heads, seqlens_ptr, seqlen_k, BLOCK_N: tl.constexpr, HAS_SEQLENS: tl.constexpr
-):
+    pid, num_n_blocks, num_kv_heads, seqlens_ptr, seqlen_q, seqlen_k, varlen,
+    BLOCK_N: tl.constexpr, HAS_SEQLENS: tl.constexpr, VARLEN: tl.constexpr,
+):  # fmt: skip
     """The opening of a K/V-stationary program (the dK/dV kernel; grid num_n_blocks * B * Hkv) ->
-    ``(batch, kv_head, start_n, seqlen_k_b)``.  Consecutive programs share a (batch, kv head)."""
-    bh_kv = pid // num_n_blocks
-    batch = bh_kv // num_kv_heads
-    seqlen_k_b = batch_seqlen_k(seqlens_ptr, batch, seqlen_k, HAS_SEQLENS)
-    return batch, bh_kv % num_kv_heads, (pid % num_n_blocks) * BLOCK_N, seqlen_k_b
+    ``(batch, kv_head, start_n, q_first, k_first, seqlen_q, seqlen_k, seqlen_k_b)`` as ``q_block_opening``
+    names them.  Consecutive programs share a (batch, kv head).  VARLEN: grid ``num_n_blocks * Hkv`` with
+    ``num_n_blocks = total_k // BLOCK_N + B`` slots per K/V head; ``start_n >= seqlen_k``: an idle slot."""
+    if VARLEN:
+        cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps = varlen
+        kv_head = pid // num_n_blocks
+        batch, n_block, k_first, seq_k = varlen_block(
+            pid % num_n_blocks, cu_seqlens_k, num_sequences, search_steps, BLOCK_N
+        )
+        q_first = tl.load(cu_seqlens_q + batch)
+        seq_q = tl.load(cu_seqlens_q + batch + 1) - q_first
+        seqlen_k_b = seq_k
+    else:
+        bh_kv = pid // num_n_blocks
+        batch = bh_kv // num_kv_heads
+        kv_head = bh_kv % num_kv_heads
+        n_block = pid % num_n_blocks
+        seqlen_k_b = batch_seqlen_k(seqlens_ptr, batch, seqlen_k, HAS_SEQLENS)
+        q_first = batch
+        k_first = batch
+        seq_q = seqlen_q
+        seq_k = seqlen_k
+    return batch, kv_head, n_block * BLOCK_N, q_first, k_first, seq_q, seq_k, seqlen_k_b
+
+
+@triton.jit
+def row_stats_offset(bh, head, q_first, seqlen_q, VARLEN: tl.constexpr):
+    """Offset (int64) of a program's first row in a per-row statistic (lse, lse2, Delta): dense ``[B, H, Nq]``
+    (``bh * Nq``); VARLEN ``[H, total_q]`` (``head * total_q + q_first``, the kernel's ``seqlen_q`` being total_q)."""
+    if VARLEN:
+        offset = as_int64(head) * seqlen_q + q_first
+    else:
+        offset = as_int64(bh) * seqlen_q
+    return offset
 
 
 @triton.jit

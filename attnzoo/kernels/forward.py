@@ -19,7 +19,6 @@ from triton.compiler.errors import CompilationError
 from .common import (
     LOG2E,
     alibi_slope2,
-    as_int64,
     head_rows,
     key_visible,
     kv_loop_bounds,
@@ -28,11 +27,12 @@ from .common import (
     modified_scores,
     online_softmax_step,
     q_block_opening,
+    row_stats_offset,
     store_rows,
 )
 from .forward_gluon import attention_forward_hopper
 from .gluon_hopper import record_compile_failure
-from .launch import KernelVariant, PreparedCall, grid_1d, num_blocks, run, tensor_args
+from .launch import KernelVariant, PreparedCall, grid_1d, run, tensor_args
 
 
 @triton.jit
@@ -95,7 +95,7 @@ def _forward_stage(
 # Sizes vary per call: no per-value specialisation (one compiled kernel per tile shape, dtype and flags).
 @triton.jit(do_not_specialize=[
     "head_dim", "num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks", "head_dim_v", "window_left",
-    "window_right", "stride_alibi_b", "stride_alibi_h",
+    "window_right", "stride_alibi_b", "stride_alibi_h", "num_sequences", "search_steps",
 ])  # fmt: skip
 def attention_forward_kernel(
     q_ptr, stride_qb, stride_qh, stride_qm, stride_qd,
@@ -105,6 +105,7 @@ def attention_forward_kernel(
     lse_ptr, k_desc, v_desc, seqlens_ptr, counts_ptr,
     num_heads, group_size, seqlen_q, seqlen_k, num_m_blocks, qk_scale, head_dim,
     head_dim_v, window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h,
+    cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps, VARLEN: tl.constexpr,
     EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_DV: tl.constexpr, DV_IS_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
@@ -121,6 +122,9 @@ def attention_forward_kernel(
     v and o have their own head dim (``head_dim_v``, tile BLOCK_DV); DV_IS_D: it is q's, and the kernel reads
     ``head_dim`` for both (a call without a value head dim of its own compiles as before).
     DEBUG writes (visited, skipped) K/V tile counts of the program to ``counts_ptr``.
+    VARLEN: q, k, v, o are packed ``[total, H, D]`` (passed with their row stride as batch stride), lse is
+    ``[H, total_q]``, ``seqlen_q``/``seqlen_k`` are total_q/total_k and each program one block of one sequence
+    (``common.q_block_opening``); an idle slot returns at once.
     """
     if DV_IS_D:
         head_dim_v = head_dim
@@ -128,16 +132,22 @@ def attention_forward_kernel(
     k = (k_ptr, stride_kb, stride_kh, stride_kn, stride_kd)
     v = (v_ptr, stride_vb, stride_vh, stride_vn, stride_vd)
     o = (o_ptr, stride_ob, stride_oh, stride_om, stride_od)
-    bh, m_block, batch, head, kv_head, start_m, seqlen_k_b = q_block_opening(
-        tl.program_id(0), num_m_blocks, num_heads, group_size, seqlens_ptr, seqlen_k, BLOCK_M, CAUSAL, HAS_SEQLENS
-    )
+    varlen = (cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps)
+    total_q = seqlen_q
+    bh, m_block, batch, head, kv_head, start_m, q_first, k_first, seqlen_q, seqlen_k, seqlen_k_b = q_block_opening(
+        tl.program_id(0), num_m_blocks, num_heads, group_size, seqlens_ptr, seqlen_q, seqlen_k, varlen,
+        BLOCK_M, CAUSAL, HAS_SEQLENS, VARLEN,
+    )  # fmt: skip
+    if VARLEN:  # noqa: SIM102  (a constexpr test first: a dense kernel compiles no check)
+        if start_m >= seqlen_q:
+            return
     local_m = tl.arange(0, BLOCK_M)
     rows = start_m + local_m
     cols = tl.arange(0, BLOCK_D)
     cols_v = tl.arange(0, BLOCK_DV)
-    k_rows = head_rows(k, batch, kv_head)
-    v_rows = head_rows(v, batch, kv_head)
-    q_tile = load_rows(head_rows(q, batch, head), start_m, local_m, cols, seqlen_q, head_dim, EVEN_D, True)
+    k_rows = head_rows(k, k_first, kv_head)
+    v_rows = head_rows(v, k_first, kv_head)
+    q_tile = load_rows(head_rows(q, q_first, head), start_m, local_m, cols, seqlen_q, head_dim, EVEN_D, True)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -176,8 +186,8 @@ def attention_forward_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     o_tile = acc * (1.0 / l_safe)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-    store_rows(head_rows(o, batch, head), o_tile, start_m, local_m, cols_v, seqlen_q, head_dim_v, EVEN_DV)
-    tl.store(lse_ptr + as_int64(bh) * seqlen_q + rows, lse, mask=rows < seqlen_q)
+    store_rows(head_rows(o, q_first, head), o_tile, start_m, local_m, cols_v, seqlen_q, head_dim_v, EVEN_DV)
+    tl.store(lse_ptr + row_stats_offset(bh, head, q_first, total_q, VARLEN) + rows, lse, mask=rows < seqlen_q)
     if DEBUG:
         total = tl.cdiv(seqlen_k, BLOCK_N)
         program = bh * num_m_blocks + m_block  # counts laid out [B, H, num_m_blocks, 2]
@@ -186,15 +196,16 @@ def attention_forward_kernel(
 
 
 def attention_forward(call: PreparedCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the forward on a prepared call -> ``o`` ``[B, H, Nq, Dv]`` (dtype of q), ``lse`` ``[B, H, Nq]`` float32.
+    """Run the forward on a prepared call -> ``o`` ``[B, H, Nq, Dv]`` (dtype of q), ``lse`` ``[B, H, Nq]`` float32;
+    packed (``call.varlen``): ``o`` ``[total_q, H, Dv]``, ``lse`` ``[H, total_q]``.
 
     The autotuner chooses between this module's kernel and, on Hopper, the Gluon kernel of ``forward_gluon.py``
     (``gluon`` configs): the same contract, the softmax overlapped with the matrix products.
     """
     q, k, v = call.q, call.k, call.v
-    B, H, Nq, D = q.shape
-    o = call.new_output((B, H, Nq, v.shape[3]), q.dtype)
-    lse = call.new_output((B, H, Nq), torch.float32)
+    H, D = call.problem.heads, call.problem.head_dim
+    o = call.new_output(call.output_shape(call.problem.head_dim_v), q.dtype)
+    lse = call.new_output(call.row_stats_shape, torch.float32)
     hopper = not call.gluon_reasons(KernelVariant.FORWARD)
     modifiers = call.modifiers
 
@@ -208,13 +219,14 @@ def attention_forward(call: PreparedCall) -> tuple[torch.Tensor, torch.Tensor]:
                 return
             except CompilationError as error:  # Gluon's API drifted (frontend error): the Triton kernel's tiles serve
                 record_compile_failure(error)
-        num_m_blocks = num_blocks(Nq, cfg.block_m)
+        num_m_blocks = call.q_slots(cfg.block_m)
         use_tma, k_desc, v_desc = call.kv_tile_descriptors(cfg)
-        programs = num_m_blocks * B * H
+        programs = call.q_programs(cfg.block_m)
         attention_forward_kernel[grid_1d(programs)](
             *tensor_args(q), *tensor_args(k), *tensor_args(v), *tensor_args(o),
             lse, k_desc, v_desc, call.seqlens, call.counts_for(KernelVariant.FORWARD, programs),
-            H, call.group_size, Nq, call.seqlen_k, num_m_blocks, call.scale * LOG2E, D, *modifiers.args,
+            H, call.group_size, call.seqlen_q, call.seqlen_k, num_m_blocks, call.scale * LOG2E, D,
+            *modifiers.args, *call.varlen_args, VARLEN=call.varlen,
             EVEN_D=call.even_d, BLOCK_D=call.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=call.causal, HAS_SEQLENS=call.has_seqlens, FOLD_SCALE=call.fold_scale,
             MASK_STAGE=call.mask_stage_needed(cfg.block_n), USE_TMA=use_tma, DOT_PRECISION=call.dot_precision,

@@ -56,7 +56,8 @@ def int32_addressable(x: torch.Tensor, max_head_dim: int = 256) -> torch.Tensor:
     (``row * stride_row + col * stride_col``): a view whose sequence stride is huge (e.g. ``[N, B, H, D]``
     memory with B*H*D above ~2^24) would wrap there.  Contiguous rows have stride D, far from it.
     """
-    stride_row, stride_col = (abs(s) for s in x.stride()[-2:])
+    # A packed [total, H, D] tensor (varlen) steps rows by its first stride.
+    stride_row, stride_col = (abs(s) for s in (x.stride(0 if x.dim() == 3 else -2), x.stride(-1)))
     if _MAX_TILE_ROWS * stride_row + max_head_dim * stride_col <= _INT32_MAX:
         return x
     return x.contiguous()
@@ -95,7 +96,12 @@ def tile_descriptor(x: torch.Tensor, block_rows: int, block_d: int) -> TensorDes
 
 
 def tensor_args(x: torch.Tensor) -> tuple:
-    """A ``[B, H, N, D]`` tensor as the kernels take it: the tensor (its pointer), then its four strides."""
+    """A ``[B, H, N, D]`` tensor as the kernels take it: the tensor (its pointer), then its four strides.
+
+    A packed ``[total, H, D]`` tensor (varlen) passes its row stride as the batch stride too: the kernels then index
+    its "batch" by a sequence's first row (``common.q_block_opening``) and its rows from there."""
+    if x.dim() == 3:
+        return (x, x.stride(0), x.stride(1), x.stride(0), x.stride(2))
     return (x, *x.stride())
 
 
@@ -180,8 +186,12 @@ class ScoreModifiers:
     key: str  # what the tuning key adds ("" without modifiers: dense keys keep their stored winners)
 
     @classmethod
-    def of(cls, problem: Problem, device: torch.device, block_d: int, block_dv: int) -> ScoreModifiers:
-        bound = problem.seqlen_q + problem.seqlen_k
+    def of(
+        cls, problem: Problem, device: torch.device, block_d: int, block_dv: int, bound: int | None = None
+    ) -> ScoreModifiers:
+        # ``bound``: where window sides are clamped (a packed call passes total_q + total_k: its seqlen_q/seqlen_k
+        # are only hints of the longest sequence).
+        bound = problem.seqlen_q + problem.seqlen_k if bound is None else bound
         left, right = problem.window if problem.window is not None else (None, None)
         if problem.causal and right is not None:
             right = min(right, 0)
@@ -216,6 +226,7 @@ class ScoreModifiers:
             "softcap" if softcap else "",
             "alibi" if slopes is not None else "",
             f"BLOCK_DV={block_dv}" if block_dv != block_d else "",
+            "varlen" if problem.is_varlen else "",
         ]
         return cls(
             args=(dv, window_left, window_right, cap_in, cap_out, *alibi_args),
@@ -238,6 +249,10 @@ class PreparedCall:
     read without ``seqlens_k``).  ``forced``: kernel name (``"forward"``, ``"dq"``, ``"dkdv"``, ``"atomic"``) ->
     the config always used for it.  ``counts``: the caller's dict that debug launches record their per-program
     ``(visited, skipped)`` tile counts in, per variant (None: no debug build).
+
+    A packed variable-length call (``varlen``): q ``[total_q, H, D]``, k, v ``[total_k, Hkv, D]``; ``varlen_args``
+    are the kernels' ``(cu_seqlens_q, cu_seqlens_k, B, search_steps)`` (placeholders and zeros for a dense call), and
+    ``seqlen_q``/``seqlen_k`` are the kernels' arguments: Nq and Nk, or total_q and total_k.
     """
 
     q: torch.Tensor
@@ -261,10 +276,48 @@ class PreparedCall:
     block_dv: int  # the head-dim tile of v, o, do and dv (BLOCK_D when Dv == D)
     # The kernels' runtime arguments and constexpr flags of the score modifiers and of Dv (``ScoreModifiers``).
     modifiers: ScoreModifiers
+    seqlen_q: int = 0
+    varlen: bool = False
+    varlen_args: tuple = ()
+
+    def q_slots(self, block_m: int) -> int:
+        """Programs per (batch, head) of a Q-stationary grid: Q blocks; packed, per head: ``total_q // block_m + B``
+        slots (``common.varlen_block``)."""
+        if self.varlen:
+            return self.seqlen_q // block_m + self.problem.batch
+        return num_blocks(self.seqlen_q, block_m)
+
+    def kv_slots(self, block_n: int) -> int:
+        """Programs per (batch, K/V head) of the K/V-stationary grid (packed: per K/V head)."""
+        if self.varlen:
+            return self.seqlen_k // block_n + self.problem.batch
+        return num_blocks(self.seqlen_k, block_n)
+
+    def q_programs(self, block_m: int) -> int:
+        """The programs of a Q-stationary grid of ``block_m`` rows."""
+        return self.q_slots(block_m) * self.problem.heads * (1 if self.varlen else self.problem.batch)
+
+    def kv_programs(self, block_n: int) -> int:
+        """The programs of the K/V-stationary grid of ``block_n`` keys."""
+        return self.kv_slots(block_n) * self.problem.kv_heads * (1 if self.varlen else self.problem.batch)
+
+    @property
+    def row_stats_shape(self) -> tuple[int, ...]:
+        """Shape of a per-row statistic (lse, lse2, Delta): ``[B, H, Nq]``, packed ``[H, total_q]``."""
+        if self.varlen:
+            return (self.problem.heads, self.seqlen_q)
+        return (self.problem.batch, self.problem.heads, self.seqlen_q)
+
+    def output_shape(self, head_dim: int) -> tuple[int, ...]:
+        """Shape of o (``head_dim`` Dv) or dq: q's rows and heads, packed or not."""
+        return (*self.q.shape[:-1], head_dim)
 
     @cached_property
     def kv_descriptors(self) -> bool:
-        """Whether K and V can be loaded through TMA descriptors (by the forward and the dQ kernel)."""
+        """Whether K and V can be loaded through TMA descriptors (by the forward and the dQ kernel); never packed
+        (a tile of one sequence is addressed by its first row, which the 4-d descriptors do not take)."""
+        if self.varlen:
+            return False
         return descriptor_loads_possible(self.k) and descriptor_loads_possible(self.v)
 
     def kv_tile_descriptors(self, cfg: KernelConfig) -> tuple[bool, object, object]:
@@ -284,7 +337,10 @@ class PreparedCall:
         right bound, ``seqlens_k``, or a last K/V tile cut by Nk.  When none does, the kernels leave that masked loop
         out at compile time: the loop would run no iteration, but its code alone costs registers in kernels that sit
         at the limit.  (The window's left edge has its own stage, compiled with WINDOW_LEFT.)"""
-        return self.causal or self.has_seqlens or self.seqlen_k % block_n != 0 or self.modifiers.window_right_bounded
+        return (
+            self.causal or self.has_seqlens or self.varlen or self.seqlen_k % block_n != 0
+            or self.modifiers.window_right_bounded
+        )  # fmt: skip
 
     def new_output(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous output buffer that the kernels write completely (NaN-filled under ATTNZOO_POISON_OUTPUTS=1)."""
@@ -320,7 +376,16 @@ def prepare(
     q, k, v = (int32_addressable(x) for x in (q, k, v))
     block_d = head_dim_tile(problem.head_dim)
     block_dv = head_dim_tile(problem.head_dim_v)
-    modifiers = ScoreModifiers.of(problem, q.device, block_d, block_dv)
+    varlen = problem.is_varlen
+    if varlen:  # packed: the kernels' lengths are the totals; windows are clamped by them (the hints may be loose)
+        seqlen_q, seqlen_k = q.shape[0], k.shape[0]
+        modifiers = ScoreModifiers.of(problem, q.device, block_d, block_dv, bound=seqlen_q + seqlen_k)
+        # Bisection steps over the B + 1 offsets: ceil(log2(B + 1)).
+        varlen_args = (problem.cu_seqlens_q, problem.cu_seqlens_k, problem.batch, problem.batch.bit_length())
+    else:
+        seqlen_q, seqlen_k = problem.seqlen_q, problem.seqlen_k
+        modifiers = ScoreModifiers.of(problem, q.device, block_d, block_dv)
+        varlen_args = (_placeholder(q.device), _placeholder(q.device), 0, 0)
     if problem.seqlens_k is not None:
         seqlens = problem.seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
     else:
@@ -337,7 +402,7 @@ def prepare(
         causal=problem.causal,
         has_seqlens=problem.has_seqlens_k,
         group_size=problem.heads // problem.kv_heads,
-        seqlen_k=problem.seqlen_k,
+        seqlen_k=seqlen_k,
         block_d=block_d,
         even_d=problem.head_dim == block_d,
         dot_precision=dot_precision(problem.dtype),
@@ -346,6 +411,9 @@ def prepare(
         debug=counts is not None,
         block_dv=block_dv,
         modifiers=modifiers,
+        seqlen_q=seqlen_q,
+        varlen=varlen,
+        varlen_args=varlen_args,
     )
 
 
@@ -397,6 +465,8 @@ class GluonScope:
             reasons.append(f"head dim {q.shape[-1]}: {' and '.join(map(str, HOPPER_HEAD_DIMS))} only")
         if call.has_seqlens:
             reasons.append("seqlens_k: the K/V rows past seqlens_k[b] may hold anything, and TMA cannot zero them")
+        if call.varlen:
+            reasons.append("packed variable-length batches: the Gluon kernels address dense [B, H, N, D] tensors only")
         reasons.extend(self.modifier_reasons(call.modifiers))
         if self.needs_positive_scale and not call.scale > 0:
             reasons.append("scale <= 0: the kernel folds a positive scale into exp2's argument")
@@ -445,8 +515,8 @@ def run(
         q.dtype,
         call.causal,
         call.has_seqlens,
-        seqlen_bucket(q.shape[2]),
-        seqlen_bucket(call.seqlen_k),
+        seqlen_bucket(call.problem.seqlen_q),  # packed: the longest sequence's (its hint)
+        seqlen_bucket(call.problem.seqlen_k),
         call.dot_precision,
         call.modifiers.key,
         q.device.index,

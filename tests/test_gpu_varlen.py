@@ -1,0 +1,151 @@
+"""SPEC.md's packed variable-length batches on a CUDA GPU: the compiled Triton kernels (and torch_fa2 on CUDA) against
+the float64 oracle per sequence, longer sequences than CI's, every dtype (bfloat16 included); sequences isolated;
+``torch.compile(fullgraph=True)`` with no host synchronisation when the hints are given; CUDA graph capture; opcheck.
+Run with ``pytest -m gpu``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_varlen import VarlenCase, _check, varlen_cases
+
+import attnzoo
+from attnzoo.testing_varlen import random_varlen_inputs, run_varlen_backend, varlen_oracle_for
+from attnzoo.varlen import attention_varlen_backward_op, attention_varlen_forward_op
+
+pytestmark = pytest.mark.gpu
+
+TRITON = ("triton_2kernel", "triton_atomic")
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+
+
+@pytest.mark.parametrize("name", [*TRITON, "torch_fa2"])
+@given(data=st.data())
+@settings(max_examples=20)
+def test_matches_oracle_per_sequence(name, data):
+    case = data.draw(varlen_cases((F16, BF16, F32), max_len=700, max_batch=9, max_head_dim=128), label="case")
+    _check(attnzoo.get(name), case)
+
+
+# The benchmark's kind of batch: long sequences of mixed lengths, with empty and one-row ones between them.
+LONG = {
+    "bf16-causal-d128": VarlenCase(
+        (1705, 0, 1, 2049, 777), (1705, 3, 1, 2049, 800), 4, 2, 128, 128, True, None, 0.0, "none", BF16, "contiguous",
+        None, 1,
+    ),
+    "fp16-full-d64-window": VarlenCase(
+        (1300, 129, 64), (1000, 129, 2000), 4, 4, 64, 64, False, (300, 17), 0.0, "heads", F16, "heads-major", None, 2
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(LONG))
+@pytest.mark.parametrize("name", TRITON)
+def test_long_sequences(name, case):
+    _check(attnzoo.get(name), LONG[case])
+
+
+@pytest.mark.parametrize("name", TRITON)
+def test_rows_never_see_keys_of_another_sequence(name):
+    backend = attnzoo.get(name)
+    x = random_varlen_inputs((190, 300, 77), (230, 300, 64), 4, 2, 64, dtype=F16, device="cuda", seed=5)
+    clean = run_varlen_backend(backend, x, causal=False)
+    rows_q, rows_k = x.rows(1)
+    k, v = x.k.clone(), x.v.clone()
+    k[rows_k], v[rows_k] = float("nan"), float("nan")
+    poisoned = run_varlen_backend(backend, type(x)(**{**vars(x), "k": k, "v": v}), causal=False)
+    for out, rows in (("o", rows_q), ("dq", rows_q), ("dk", rows_k), ("dv", rows_k)):
+        outside = torch.ones(clean[out].shape[0], dtype=torch.bool, device="cuda")
+        outside[rows] = False
+        assert torch.isfinite(poisoned[out][outside]).all(), f"{out}: NaN outside sequence 1"
+        if name == "triton_2kernel" or out in ("o", "dq"):  # the atomic dK/dV sum in a varying order
+            assert torch.equal(poisoned[out][outside], clean[out][outside]), f"{out} of another sequence changed"
+
+
+def _inputs(seed=0):
+    x = random_varlen_inputs((300, 0, 129, 1000), (333, 17, 129, 990), 8, 2, 64, dtype=F16, device="cuda", seed=seed)
+    return x.q, x.k, x.v, x.do, x.cu_seqlens_q, x.cu_seqlens_k
+
+
+def _attend(backend):
+    def attend(q, k, v, cu_q, cu_k):
+        return attnzoo.attention_varlen(q, k, v, cu_q, cu_k, 1000, 990, causal=True, backend=backend)
+
+    return attend
+
+
+def _step(fn, q, k, v, do, cu_q, cu_k):
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = fn(*leaves, cu_q, cu_k)
+    out.backward(do)
+    return [out.detach(), *(x.grad for x in leaves)]
+
+
+@pytest.mark.parametrize("backend", TRITON)
+def test_compiled_matches_eager_without_graph_breaks(backend):
+    q, k, v, do, cu_q, cu_k = _inputs(seed=1)
+    explained = torch._dynamo.explain(_attend(backend))(q, k, v, cu_q, cu_k)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(_attend(backend), fullgraph=True)
+    expected = _step(_attend(backend), q, k, v, do, cu_q, cu_k)
+    got = _step(compiled, q, k, v, do, cu_q, cu_k)
+    tol = dict(atol=2e-3, rtol=2e-3) if backend == "triton_atomic" else dict(atol=0, rtol=0)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, expected, strict=True):
+        torch.testing.assert_close(a, b, **tol, msg=name)
+
+
+def test_no_host_synchronisation_with_hints_once_compiled():
+    q, k, v, do, cu_q, cu_k = _inputs(seed=2)
+    compiled = torch.compile(_attend("triton_2kernel"), fullgraph=True)
+    _step(compiled, q, k, v, do, cu_q, cu_k)  # compiles, and picks the configs
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _step(compiled, q, k, v, do, cu_q, cu_k)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_cuda_graph_capture_of_forward_and_backward():
+    q, k, v, do, cu_q, cu_k = _inputs(seed=3)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    attend = _attend("triton_2kernel")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # compiles and picks the configs outside the capture
+            attend(*leaves, cu_q, cu_k).backward(do)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attend(*leaves, cu_q, cu_k)
+        grads = torch.autograd.grad(out, leaves, do)
+    fresh = _inputs(seed=4)
+    for x, new in zip(leaves, fresh[:3], strict=True):
+        x.detach().copy_(new)
+    do.copy_(fresh[3])
+    graph.replay()
+    expected = _step(attend, *fresh)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), [out, *grads], expected, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("backend", TRITON)
+def test_operators_pass_opcheck(backend):
+    q, k, v, do, cu_q, cu_k = _inputs(seed=5)
+    slopes = torch.rand(8, device="cuda") * 0.5
+    arguments = (cu_q, cu_k, 1000, 990, True, 0.125, 40, None, 20.0, slopes, backend)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    torch.library.opcheck(attention_varlen_forward_op, (*leaves, *arguments))
+    o, lse = attention_varlen_forward_op(q, k, v, *arguments)
+    torch.library.opcheck(attention_varlen_backward_op, (do, q, k, v, o, lse, *arguments))
+
+
+def test_lse_matches_the_oracle():
+    x = random_varlen_inputs((500, 3, 0, 250), (480, 40, 7, 250), 4, 1, 128, dtype=BF16, device="cuda", seed=6)
+    o, lse = attnzoo.attention_varlen(x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, causal=True, return_lse=True)
+    checks = varlen_oracle_for(x, True, device="cuda").check(dict(o=o, lse=lse))
+    assert all(c.ok for c in checks.values()), {n: c.message for n, c in checks.items()}
