@@ -39,13 +39,18 @@ _seed: int | None = None
 
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
-    """Draw one hypothesis seed for the run unless --hypothesis-seed gave one, so that the header can print it."""
+    """Draw one hypothesis seed for the run unless --hypothesis-seed gave one, so that the header can print it.
+
+    Under pytest-xdist (``-n``) the workers take the controller's seed from the environment, which they inherit: the
+    printed seed reproduces every worker's examples."""
     global _seed
     from hypothesis import core
 
     if core.global_force_seed is None:
-        core.global_force_seed = random.randrange(2**32)
+        inherited = os.environ.get("ATTNZOO_HYPOTHESIS_SEED")
+        core.global_force_seed = int(inherited) if inherited else random.randrange(2**32)
     _seed = core.global_force_seed
+    os.environ["ATTNZOO_HYPOTHESIS_SEED"] = str(_seed)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
