@@ -4,6 +4,9 @@
 #   bash bench/h100.sh grid fp16 128   # (one head dim per call leaves time to re-measure inconsistent shapes)
 #   bash bench/h100.sh grid bf16 64 ...
 #   bash bench/h100.sh io              # ncu DRAM bytes -> $OUT/h100_io_ncu.csv (+ theory CSV)
+#   bash bench/h100.sh tests dense     # the -m gpu suite in parts that end inside 10 minutes: dense, modifiers,
+#                                      # features (KV cache, varlen, ring, compile, interface) and big (> 2^31 elements,
+#                                      # about 50 GB of GPU memory, so alone) -> $OUT/gpu_<part>.log
 # then, here: copy the parts into bench/results, `bash bench/h100.sh merge fp16` (one CSV and log per dtype),
 # python -m attnzoo plot bench/results/h100_bench_*.csv --out-dir bench/results, and --readme-out.
 set -o pipefail
@@ -33,6 +36,23 @@ io)
     python -m attnzoo io theory --N 512,1k,2k,4k,8k,16k --D 64,128 --B 1 --H "${H:-8}" --out "$OUT/h100_io_theory.csv"
     python -m attnzoo io measure --impl "${IO_IMPLS:-triton_2kernel,sdpa_math,sdpa_flash}" --N "${IO_N:-1k,4k,16k}" \
         --D 128 --B 1 --H "${H:-8}" --dtype fp16 --timeout-s 200 --time-budget-s "${IO_BUDGET:-480}" --out "$OUT/h100_io_ncu.csv" 2>&1 | tee "$OUT/h100_io.log" ;;
+tests)
+    part=${2:-dense}
+    workers=${XDIST:-6}
+    case "$part" in
+    dense) targets=(tests/test_gpu.py --deselect tests/test_gpu.py::test_more_than_2_31_elements) ;;
+    modifiers) targets=(tests/test_gpu_score_modifiers.py) ;;
+    features) targets=(tests/test_gpu_kvcache.py tests/test_gpu_varlen.py tests/test_distributed.py
+                       tests/test_gpu_compile.py tests/test_gpu_interface.py) ;;
+    big) targets=(tests/test_gpu.py::test_more_than_2_31_elements); workers=0 ;;
+    *) echo "usage: bash bench/h100.sh tests dense|modifiers|features|big" >&2; exit 2 ;;
+    esac
+    # -v writes each result as it comes, so a part cut by its time limit still names what passed and failed.
+    timeout "${TEST_TIMEOUT_S:-540}" python -m pytest -m gpu -v -n "$workers" --tb=short -p no:cacheprovider \
+        -W ignore::pytest_benchmark.logger.PytestBenchmarkWarning "${targets[@]}" > "$OUT/gpu_$part.log" 2>&1
+    echo "gpu tests, $part: $(grep -c ' PASSED' "$OUT/gpu_$part.log") passed, $(grep -c ' FAILED' "$OUT/gpu_$part.log") failed"
+    grep -E ' FAILED|^E ' "$OUT/gpu_$part.log" | head -20 ;;
 *)
-    echo "usage: bash bench/h100.sh grid fp16|bf16 [D] | merge fp16|bf16 | io" >&2; exit 2 ;;
+    echo "usage: bash bench/h100.sh grid fp16|bf16 [D] | merge fp16|bf16 | io | tests dense|modifiers|features|big" >&2
+    exit 2 ;;
 esac
