@@ -17,6 +17,11 @@ from every_candidate import check_every_candidate
 
 import attnzoo
 from attnzoo import debug, oracle
+from attnzoo.kernels.forward_gluon import attention_forward_hopper
+from attnzoo.kernels.launch import prepare
+from attnzoo.kernels.tuning import CANDIDATES
+from attnzoo.testing import AttentionInputs, oracle_for
+from attnzoo.validation import validate_forward
 
 pytestmark = pytest.mark.gpu
 
@@ -134,3 +139,37 @@ def test_window_skip_counts_on_the_gpu(geometry, backend, kernel):
         total = n_n
     assert torch.equal(counts.visited, visited.to(counts.visited.dtype))
     assert torch.equal(counts.skipped, (total - visited).to(counts.skipped.dtype))
+
+
+# (Nq, Nk, D, window, softcap, alibi): the Gluon forward's own modifier paths, without seqlens_k (which its scope
+# leaves to forward.py), so that each case reaches the Gluon kernel.
+GLUON_MODIFIER_CASES = [
+    (300, 300, 128, (64, 0), 0.0, None),
+    (257, 390, 64, (100, 20), 0.0, "heads"),
+    (256, 256, 128, None, 30.0, None),
+    (200, 333, 64, (70, 0), 5.0, "batch-heads"),
+]
+
+
+@pytest.mark.parametrize("cfg", [c for c in CANDIDATES["forward"] if c.gluon], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gluon_forward_applies_each_modifier_it_implements(cfg, dtype):
+    """The Gluon forward kernel itself (called directly, whatever ``GluonScope`` routes to it) with windows, the soft
+    cap and ALiBi, alone and together: o and lse within SPEC.md's bound of the float64 oracle."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels need an sm_90 GPU")
+    for causal in (False, True):
+        for Nq, Nk, D, window, softcap, alibi in GLUON_MODIFIER_CASES:
+            q, k, v, _, _, slopes = _make(2, 4, 2, Nq, Nk, D, D, dtype, None, alibi, seed=Nq + D)
+            kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=slopes)
+            call = prepare(q, k, v, validate_forward(q, k, v, **kw))
+            o = torch.full((2, 4, Nq, D), float("nan"), device=CUDA, dtype=dtype)
+            lse = torch.full((2, 4, Nq), float("nan"), device=CUDA)
+            attention_forward_hopper(
+                q, k, v, o, lse, call.scale, causal, call.modifiers, cfg.block_m, cfg.block_n, cfg.num_warps,
+                cfg.num_stages,
+            )  # fmt: skip
+            inputs = AttentionInputs(q, k, v, None, None, slopes)
+            checks = oracle_for(inputs, causal, window=window, softcap=softcap, device=CUDA).check({"o": o, "lse": lse})
+            for name, check in checks.items():
+                assert check.ok, f"{cfg} {dtype} causal={causal} N={Nq}x{Nk} D={D} {kw}: {name}: {check.message}"
