@@ -22,6 +22,8 @@ real, so that a traced graph does not depend on the pick), or the key of a backe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch._dynamo  # imported here, not by the first call: see above
 
@@ -46,19 +48,30 @@ def pick_backend(
     return _pick(validate_forward(q, k, v, causal, scale, seqlens_k, window, softcap, alibi_slopes))
 
 
-def _pick(problem: Problem) -> Backend:
+def pick_ranked(
+    device: str, rank_table: Callable[[Backend], dict], reasons: Callable[[Backend], list[str]], refusal: str
+) -> Backend:
+    """The registered backend of lowest rank on ``device`` (``rank_table(backend)``: device type -> rank; absent:
+    never picked) whose ``reasons(backend)`` are empty; ``NotImplementedError`` starting with ``refusal`` and listing
+    every backend's reasons when none qualifies."""
     candidates = []
     for name in names():
         backend = get(name)
-        rank = backend.capabilities.auto_rank.get(problem.device)
-        if rank is not None and not backend.reasons_for(problem):
+        rank = rank_table(backend).get(device)
+        if rank is not None and not reasons(backend):
             candidates.append((rank, name))
     if not candidates:
-        raise NotImplementedError(
-            "no registered backend supports these inputs: "
-            + "; ".join(f"{n}: {', '.join(get(n).reasons_for(problem))}" for n in names())
-        )
+        raise NotImplementedError(f"{refusal}: " + "; ".join(f"{n}: {', '.join(reasons(get(n)))}" for n in names()))
     return get(min(candidates)[1])
+
+
+def _pick(problem: Problem) -> Backend:
+    return pick_ranked(
+        problem.device,
+        lambda backend: backend.capabilities.auto_rank,
+        lambda backend: backend.reasons_for(problem),
+        "no registered backend supports these inputs",
+    )
 
 
 # -- backends by key ------------------------------------------------------------------------------------------------

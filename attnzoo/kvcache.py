@@ -26,11 +26,12 @@ from typing import Any
 
 import torch
 
-from .autograd import _backend_of, backend_key, default_scale
-from .backend import Backend, get, names
+from .autograd import _backend_of, backend_key, default_scale, pick_ranked
+from .backend import Backend
 from .validation import (
     FLOAT_DTYPES,
     Problem,
+    _describe,
     _validate_alibi_slopes,
     _validate_softcap,
     _validate_window,
@@ -57,12 +58,6 @@ class KVCacheProblem:
     @property
     def paged(self) -> bool:
         return self.page_size > 0
-
-
-def _describe(x: Any) -> str:
-    if isinstance(x, Tensor):
-        return f"torch.Tensor(shape={tuple(x.shape)}, dtype={x.dtype}, device={x.device})"
-    return type(x).__name__
 
 
 def _tensor(name: str, x: Any, rank: int, layout: str) -> Tensor:
@@ -318,18 +313,12 @@ def kvcache_reasons(backend: Backend, kv: KVCacheProblem) -> list[str]:
 
 
 def _pick(kv: KVCacheProblem) -> Backend:
-    candidates = []
-    for name in names():
-        backend = get(name)
-        rank = backend.capabilities.kvcache_auto_rank.get(kv.problem.device)
-        if rank is not None and not kvcache_reasons(backend, kv):
-            candidates.append((rank, name))
-    if not candidates:
-        raise NotImplementedError(
-            "no registered backend answers this KV-cache call: "
-            + "; ".join(f"{n}: {', '.join(kvcache_reasons(get(n), kv))}" for n in names())
-        )
-    return get(min(candidates)[1])
+    return pick_ranked(
+        kv.problem.device,
+        lambda backend: backend.capabilities.kvcache_auto_rank,
+        lambda backend: kvcache_reasons(backend, kv),
+        "no registered backend answers this KV-cache call",
+    )
 
 
 def _backend_for(key: str, kv: KVCacheProblem) -> Backend:

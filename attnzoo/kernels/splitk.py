@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, as_int64, key_visible, modified_scores, online_softmax_step
-from .launch import ScoreModifiers, dot_precision
+from .launch import ScoreModifiers, _placeholder, dot_precision, num_blocks
 from .tuning import head_dim_tile
 
 # Programs per SM the split count aims for: enough resident programs to keep each SM's loads in flight while
@@ -247,7 +247,7 @@ def choose_num_splits(programs: int, capacity: int, sm_count: int) -> int:
     The capacity, not the per-sequence lengths, decides: the lengths live on the GPU and reading them would cost a
     synchronisation per call (and break CUDA-graph capture).  Splits past a sequence's length exit at once.
     """
-    wanted = _cdiv(PROGRAMS_PER_SM * sm_count, max(programs, 1))
+    wanted = num_blocks(PROGRAMS_PER_SM * sm_count, max(programs, 1))
     longest = max(1, capacity // MIN_KEYS_PER_SPLIT)
     return max(1, min(wanted, longest, MAX_SPLITS))
 
@@ -267,25 +267,6 @@ def _cuda_sm_count(index: int) -> int:
     if count is None:  # torch's query costs host time per call: asked once per device
         count = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return count
-
-
-_PLACEHOLDERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _placeholder(device: torch.device) -> torch.Tensor:
-    """An int32 buffer for pointer arguments a launch never reads (cached: an allocation per call costs a kernel)."""
-    buf = _PLACEHOLDERS.get(device)
-    if buf is None:
-        buf = _PLACEHOLDERS[device] = torch.zeros(2, dtype=torch.int32, device=device)
-    return buf
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def splitk_attention(
@@ -321,14 +302,14 @@ def splitk_attention(
     paged = block_table is not None
     capacity = problem.seqlen_k
     block_d, block_dv = head_dim_tile(D), head_dim_tile(Dv)
-    block_m = min(64, max(16, _next_power_of_2(G * Nq)))
-    row_tiles = _cdiv(G * Nq, block_m)
+    block_m = min(64, max(16, triton.next_power_of_2(G * Nq)))
+    row_tiles = num_blocks(G * Nq, block_m)
     if num_splits is None:
         num_splits = choose_num_splits(B * Hkv * row_tiles, capacity, sm_count(device))
     # Whole tiles per split, so that no tile straddles two splits; trailing splits that would start past the
     # capacity are dropped.
-    keys_per_split = max(1, _cdiv(_cdiv(capacity, num_splits), block_n)) * block_n
-    num_splits = max(1, _cdiv(capacity, keys_per_split))
+    keys_per_split = max(1, num_blocks(num_blocks(capacity, num_splits), block_n)) * block_n
+    num_splits = max(1, num_blocks(capacity, keys_per_split))
     modifiers = ScoreModifiers.of(problem, device, block_d, block_dv)
     placeholder = _placeholder(device)
     lengths_arg = lengths if lengths is not None else placeholder
@@ -358,6 +339,6 @@ def splitk_attention(
     if not final:
         splitk_merge_kernel[(B * H * Nq,)](
             o_part, lse_part, o, lse, num_splits, Dv,
-            BLOCK_S=_next_power_of_2(num_splits), BLOCK_DV=block_dv, num_warps=4 if block_dv >= 128 else 2,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_DV=block_dv, num_warps=4 if block_dv >= 128 else 2,
         )  # fmt: skip
     return o, lse
