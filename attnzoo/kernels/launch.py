@@ -481,11 +481,10 @@ class GluonScope:
 
 
 _GLUON_SCOPES = {
-    # The Gluon forward implements the soft cap too (forward_gluon._modified_scores), but no GPU test has checked it
-    # against the oracle yet (the oracle cases with a soft cap carry seqlens_k, which sends them to forward.py);
-    # soft-capped calls run forward.py until one has.
+    # The Gluon forward's modifiers are checked against the oracle by
+    # tests/test_gpu_score_modifiers.py::test_gluon_forward_applies_each_modifier_it_implements.
     KernelVariant.FORWARD: GluonScope(
-        "forward_gluon.py", needs_positive_scale=True, window=True, softcap=False, alibi=True
+        "forward_gluon.py", needs_positive_scale=True, window=True, softcap=True, alibi=True
     ),
     KernelVariant.DKDV: GluonScope("backward_gluon.py", needs_positive_scale=False, extra_tma_operands=("do",)),
 }
