@@ -1,5 +1,6 @@
 """The loop that the every-candidate GPU tests share: each kernel's candidate configs pinned in turn, the outputs
-checked, and the configs that cannot launch collected (the tuner skips those)."""
+checked, and the configs that cannot launch collected (the tuner skips those).  The rounds are split into ``SHARDS``
+shards, each its own test, so that pytest-xdist compiles them in parallel (compiling dominates these tests)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,19 @@ from triton.runtime.errors import OutOfResources
 import attnzoo
 from attnzoo.kernels.tuning import CANDIDATES, candidates, head_dim_tile
 
+SHARDS = 4
 
-def check_every_candidate(q, k, v, do, check: Callable[[tuple], None], **kw) -> list[str]:
+
+def check_every_candidate(q, k, v, do, check: Callable[[tuple], None], shard: int, **kw) -> list[str]:
     """Run ``triton_2kernel`` and ``triton_atomic`` (both Delta variants) with every candidate of every kernel pinned,
     round-robin over the longest list, on the call ``(q, k, v, **kw)``; ``check`` judges each ``(o, lse, dq, dk, dv)``
-    (the backward runs on the tuned forward's o and lse).  Returns the configs that ran out of resources."""
+    (the backward runs on the tuned forward's o and lse).  Only the rounds ``i`` with ``i % SHARDS == shard`` run.
+    Returns the configs that ran out of resources."""
     D, dtype = q.shape[-1], q.dtype
     lists = {name: candidates(name, head_dim_tile(D), dtype, q.device) for name in CANDIDATES}
     o_ref, lse_ref = attnzoo.get("triton_2kernel").forward(q, k, v, **kw)
     out_of_resources = []
-    for i in range(max(len(c) for c in lists.values())):
+    for i in range(shard, max(len(c) for c in lists.values()), SHARDS):
         forced = {name: configs[i % len(configs)] for name, configs in lists.items()}
         two_kernel = attnzoo.get("triton_2kernel", configs={n: forced[n] for n in ("forward", "dq", "dkdv")})
         stage = "forward"

@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from every_candidate import check_every_candidate
+from every_candidate import SHARDS, check_every_candidate
 
 import attnzoo
 from attnzoo import oracle
@@ -99,15 +99,16 @@ def _small_check(outputs, q, k, v, do, causal, sl):
         assert check.ok, f"{name}: {check.message}"
 
 
+@pytest.mark.parametrize("shard", range(SHARDS))
 @pytest.mark.parametrize(
     "dtype,D", [(torch.float16, 128), (torch.bfloat16, 64), (torch.float32, 64), (torch.bfloat16, 256)]
 )
-def test_every_candidate_config_is_correct(dtype, D):
+def test_every_candidate_config_is_correct(dtype, D, shard):
     """Every autotuning candidate of every kernel computes the right thing (or cannot launch: OutOfResources,
     which the tuner skips; those are printed)."""
     q, k, v, do, sl = _make(2, 4, 2, 300, 333, D, dtype, [333, 100], seed=D)
     out_of_resources = check_every_candidate(
-        q, k, v, do, lambda outputs: _small_check(outputs, q, k, v, do, True, sl), causal=True, seqlens_k=sl
+        q, k, v, do, lambda outputs: _small_check(outputs, q, k, v, do, True, sl), shard, causal=True, seqlens_k=sl
     )
     _report(f"[configs] {dtype} D={D} out of resources: {out_of_resources}")
 

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from every_candidate import check_every_candidate
+from every_candidate import SHARDS, check_every_candidate
 
 import attnzoo
 from attnzoo import debug, oracle
@@ -93,14 +93,17 @@ def test_score_modifiers_match_the_oracle(name, case, dtype):
         assert not o.any() and torch.isneginf(lse).all() and not dq.any() and not dk.any() and not dv.any()
 
 
+@pytest.mark.parametrize("shard", range(SHARDS))
 @pytest.mark.parametrize("dtype,D", [(torch.float16, 128), (torch.bfloat16, 64)], ids=str)
-def test_every_candidate_config_is_correct_with_a_window_softcap_and_alibi(dtype, D):
+def test_every_candidate_config_is_correct_with_a_window_softcap_and_alibi(dtype, D, shard):
     """Every autotuning candidate of every kernel (Gluon and TMA ones included: the Gluon ones run their Triton twins
     here) on a causal sliding-window call with a soft cap, ALiBi and seqlens_k (or cannot launch: OutOfResources,
     which the tuner skips; those are printed)."""
     q, k, v, do, sl, slopes = _make(2, 4, 2, 300, 333, D, D, dtype, [333, 100], "heads", seed=D)
     kw = dict(causal=True, seqlens_k=sl, window=(90, 0), softcap=10.0, alibi_slopes=slopes)
-    out_of_resources = check_every_candidate(q, k, v, do, lambda outputs: _check(outputs, q, k, v, do, **kw), **kw)
+    out_of_resources = check_every_candidate(
+        q, k, v, do, lambda outputs: _check(outputs, q, k, v, do, **kw), shard, **kw
+    )
     print(f"\n[modifier configs] {dtype} D={D} out of resources: {out_of_resources}")
 
 
