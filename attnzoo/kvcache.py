@@ -208,22 +208,26 @@ def _validate_new(k_new: Any, v_new: Any, q: Tensor, B: int, Hkv: int, D: int, D
 def _check_values(
     cache_seqlens: Tensor, new_keys: int, capacity: int, block_table: Tensor | None, page_size: int, num_pages: int
 ) -> None:
+    """The value checks, read back in one synchronisation (each host read of a GPU value waits for the GPU)."""
     lengths = cache_seqlens.to(torch.int64)
-    low, high = int(lengths.min()), int(lengths.max())
+    stats = [lengths.min(), lengths.max()]
+    if block_table is not None:
+        # Only the pages that hold keys of the attended length must be valid (a table may pad its rows with -1).
+        used = torch.arange(block_table.shape[1], device=block_table.device) * page_size < (lengths + new_keys)[:, None]
+        entries = block_table.to(torch.int64)
+        top, bottom = torch.iinfo(torch.int64).max, torch.iinfo(torch.int64).min  # no page in use: low > high
+        stats += [torch.where(used, entries, top).min(), torch.where(used, entries, bottom).max()]
+    low, high, *pages = torch.stack(stats).tolist()
     if low < 0 or high + new_keys > capacity:
         raise ValueError(
             f"cache_seqlens + Nnew must lie in [0, capacity] = [0, {capacity}] (Nnew = {new_keys}), got cache_seqlens "
             f"from {low} to {high}"
         )
-    if block_table is not None and high + new_keys > 0:
-        # Only the pages that hold keys of the attended length must be valid (a table may pad its rows with -1).
-        used = torch.arange(block_table.shape[1], device=block_table.device) * page_size < (lengths + new_keys)[:, None]
-        entries = block_table[used]
-        if entries.numel() and (int(entries.min()) < 0 or int(entries.max()) >= num_pages):
-            raise ValueError(
-                f"block_table entries of the pages in use must lie in [0, num_pages) = [0, {num_pages}), got "
-                f"{int(entries.min())} to {int(entries.max())}"
-            )
+    if pages and pages[0] <= pages[1] and (pages[0] < 0 or pages[1] >= num_pages):  # some page in use, one invalid
+        raise ValueError(
+            f"block_table entries of the pages in use must lie in [0, num_pages) = [0, {num_pages}), got "
+            f"{pages[0]} to {pages[1]}"
+        )
 
 
 def append_(

@@ -161,6 +161,25 @@ def test_bad_input_raises_before_anything_is_written(what, error, words, change,
         assert torch.equal(x[key], val), f"{key} was written although the call was refused"
 
 
+@pytest.mark.parametrize("name", ["torch_fa2", pytest.param("triton_splitk", marks=needs_interpreter)])
+def test_block_table_entries_past_the_attended_length_may_be_minus_one(name):
+    """Only the pages that hold attended keys must be valid: rows padded with -1 past them (as serving stacks pad
+    their tables) give the result of the unpadded table."""
+    case = _case()
+    results = []
+    for pad in (False, True):
+        x = case.make()
+        if pad:
+            attended = x["cache_seqlens"] + case.new_keys
+            pages_in_use = (attended + case.page_size - 1) // case.page_size
+            for b, n in enumerate(pages_in_use.tolist()):
+                x["block_table"][b, n:] = -1
+            assert (x["block_table"] == -1).any()
+        results.append(case.call(x, name))
+    (o, lse), (o_padded, lse_padded) = results
+    assert torch.equal(o_padded, o) and torch.equal(lse_padded, lse)
+
+
 def test_dense_cache_of_the_wrong_batch_is_a_value_error():
     case = _case(page_size=0)
     x = case.make()
