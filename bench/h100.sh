@@ -4,6 +4,8 @@
 #   bash bench/h100.sh grid fp16 128   # (one head dim per call leaves time to re-measure inconsistent shapes)
 #   bash bench/h100.sh grid bf16 64 ...
 #   bash bench/h100.sh io              # ncu DRAM bytes -> $OUT/h100_io_ncu.csv (+ theory CSV)
+#   bash bench/h100.sh decode          # the decoding benchmark, eager calls and CUDA-graph replays -> $OUT/h100_decode.*
+#   bash bench/h100.sh varlen          # packed batches against dense, Flex and padded SDPA -> $OUT/h100_varlen.*
 #   bash bench/h100.sh tests dense     # the -m gpu suite in parts that end inside 10 minutes: dense, modifiers,
 #                                      # features (KV cache, varlen, ring, compile, interface) and big (> 2^31 elements,
 #                                      # about 50 GB of GPU memory, so alone) -> $OUT/gpu_<part>.log
@@ -36,6 +38,15 @@ io)
     python -m attnzoo io theory --N 512,1k,2k,4k,8k,16k --D 64,128 --B 1 --H "${H:-8}" --out "$OUT/h100_io_theory.csv"
     python -m attnzoo io measure --impl "${IO_IMPLS:-triton_2kernel,sdpa_math,sdpa_flash}" --N "${IO_N:-1k,4k,16k}" \
         --D 128 --B 1 --H "${H:-8}" --dtype fp16 --timeout-s 200 --time-budget-s "${IO_BUDGET:-480}" --out "$OUT/h100_io_ncu.csv" 2>&1 | tee "$OUT/h100_io.log" ;;
+decode)
+    timeout "${BENCH_TIMEOUT_S:-540}" python -m attnzoo.bench.decode --Nq ${NQ:-1 4} --out "$OUT/h100_decode.csv" \
+        --budget-s "${BUDGET:-420}" > "$OUT/h100_decode.log" 2>&1
+    python -m attnzoo.bench.decode --plot "$OUT/h100_decode.csv"
+    grep -E "triton_splitk +(eager|graph)" "$OUT/h100_decode.log" | tail -40 ;;
+varlen)
+    timeout "${BENCH_TIMEOUT_S:-300}" python -m attnzoo.bench.varlen --d 64,128 --dtype bf16 \
+        --out "$OUT/h100_varlen.csv" --plot "$OUT/h100_varlen.png" > "$OUT/h100_varlen.log" 2>&1
+    tail -6 "$OUT/h100_varlen.log" ;;
 tests)
     part=${2:-dense}
     workers=${XDIST:-6}
@@ -53,6 +64,6 @@ tests)
     echo "gpu tests, $part: $(grep -c ' PASSED' "$OUT/gpu_$part.log") passed, $(grep -c ' FAILED' "$OUT/gpu_$part.log") failed"
     grep -E ' FAILED|^E ' "$OUT/gpu_$part.log" | head -20 ;;
 *)
-    echo "usage: bash bench/h100.sh grid fp16|bf16 [D] | merge fp16|bf16 | io | tests dense|modifiers|features|big" >&2
+    echo "usage: bash bench/h100.sh grid fp16|bf16 [D] | merge fp16|bf16 | io | decode | varlen | tests dense|modifiers|features|big" >&2
     exit 2 ;;
 esac

@@ -421,3 +421,21 @@ def test_a_variant_runs_in_the_grid_under_its_label(tmp_path):
     # The variant's own blocks: 16 x 16 tiles at N = 64 causal skip 6 of 16, 64 x 64 tiles skip none.
     assert rows["numpy_ref:block_m=16,block_n=16"]["skip_ratio"] == 6 / 16
     assert rows["numpy_ref"]["skip_ratio"] == 0.0
+
+
+def test_decode_plot_draws_one_panel_per_timing_mode_nq_and_layout(tmp_path):
+    """The decoding benchmark's figure comes from its CSV alone (no GPU): eager and graph rows, both layouts."""
+    from attnzoo.bench import decode
+
+    csv_path = tmp_path / "decode.csv"
+    rows = [
+        dict(impl=impl, mode=mode, B=b, Nq=1, cache=4096, layout=layout, ms="0.5", GBps="100", of_copy="0.3")
+        for impl in ("triton_splitk", "sdpa_flash")
+        for mode in decode.MODES
+        for b in (1, 8)
+        for layout in ("dense", "paged")
+    ]
+    decode._write(rows, csv_path)
+    png = tmp_path / "decode.png"
+    decode.plot(csv_path, png)
+    assert png.stat().st_size > 10_000

@@ -9,6 +9,11 @@ call; for Nq = 4 causal would hide 6 of 4 * cache pairs).  Effective bandwidth i
 read, ``2 * B * Hkv * cache * D * 2``, over the median time (``triton.testing.do_bench``), against the copy ceiling
 (3.0 TB/s on the H100, SPEC.md's anchors).
 
+Each call is timed two ways (``--modes``): ``eager``, the Python call as written (host work included: an eager
+``attention_with_kvcache`` reads ``cache_seqlens`` back once to check it, a synchronisation), and ``graph``, the
+call captured once in a CUDA graph and replayed (how a serving loop runs a decode step: no host work, no checks), which
+is the kernels' own time.
+
 Timed in the same run: ``triton_splitk`` and ``triton_2kernel`` (no split; a paged cache gathered into a dense copy
 first) through ``attnzoo.attention_with_kvcache``, and on the dense cache SDPA's flash and cuDNN backends and
 FlexAttention (compiled; its decoding kernel serves Nq < 128).  The dense cache and the paged pool share one buffer
@@ -30,7 +35,8 @@ import torch
 
 COPY_CEILING_GBPS = 3000.0  # SPEC.md, "Measured anchors": copy 3.0 TB/s on the H100
 H, HKV, D, PAGE = 32, 8, 128, 64
-FIELDS = ["impl", "B", "Nq", "cache", "layout", "ms", "GBps", "of_copy", "vs_sdpa_flash", "note"]
+MODES = ("eager", "graph")
+FIELDS = ["impl", "mode", "B", "Nq", "cache", "layout", "ms", "GBps", "of_copy", "vs_sdpa_flash", "note"]
 
 
 def _kv_bytes(batch: int, cache: int) -> int:
@@ -95,11 +101,39 @@ def _compiled_flex(flex_attention):
     return _FLEX
 
 
-def run(
-    batches, caches, nqs, layouts, out: Path, budget_s: float, only: set[str] | None = None, configs=None
-) -> list[dict]:
+def _as_graph(fn):
+    """``fn`` captured in a CUDA graph (after one warm-up call on a side stream, as capture requires): the replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _time_ms(fn, mode: str) -> float:
     import triton
 
+    run = _as_graph(fn) if mode == "graph" else fn
+    run()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
+
+
+def run(
+    batches,
+    caches,
+    nqs,
+    layouts,
+    out: Path,
+    budget_s: float,
+    only: set[str] | None = None,
+    configs=None,
+    modes=MODES,
+) -> list[dict]:
     import attnzoo
 
     torch.manual_seed(0)
@@ -113,7 +147,7 @@ def run(
             lengths = torch.full((batch,), cache, dtype=torch.int32, device="cuda")
             for nq in nqs:
                 q = torch.randn(batch, H, nq, D, dtype=torch.bfloat16, device="cuda")
-                flash_ms = None
+                flash_ms: dict[str, float] = {}  # mode -> SDPA flash's time
                 for layout in layouts:
                     impls = _impls(q, bufs, table, lengths, layout)
                     for text in configs or ():
@@ -123,30 +157,30 @@ def run(
                     for name, fn in impls.items():
                         if only and name.split("[")[0] not in only:
                             continue
-                        row = dict(impl=name, B=batch, Nq=nq, cache=cache, layout=layout, note="")
-                        over = time.perf_counter() - start > budget_s
-                        if over and name not in ("triton_splitk", "sdpa_flash"):
-                            row["note"] = "skipped: time budget"
-                        else:
-                            try:
-                                fn()
-                                torch.cuda.synchronize()
-                                ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-                                gbps = _kv_bytes(batch, cache) / ms / 1e6
-                                row.update(
-                                    ms=f"{ms:.4f}", GBps=f"{gbps:.0f}", of_copy=f"{gbps / COPY_CEILING_GBPS:.3f}"
-                                )
-                                if name == "sdpa_flash":
-                                    flash_ms = ms
-                            except Exception as error:  # a peer that cannot run this shape: recorded, not fatal
-                                row["note"] = f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"
-                                torch.cuda.synchronize()
-                        rows.append(row)
+                        for mode in modes:
+                            row = dict(impl=name, mode=mode, B=batch, Nq=nq, cache=cache, layout=layout, note="")
+                            over = time.perf_counter() - start > budget_s
+                            if over and name not in ("triton_splitk", "sdpa_flash"):
+                                row["note"] = "skipped: time budget"
+                            else:
+                                try:
+                                    ms = _time_ms(fn, mode)
+                                    gbps = _kv_bytes(batch, cache) / ms / 1e6
+                                    row.update(
+                                        ms=f"{ms:.4f}", GBps=f"{gbps:.0f}", of_copy=f"{gbps / COPY_CEILING_GBPS:.3f}"
+                                    )
+                                    if name == "sdpa_flash":
+                                        flash_ms[mode] = ms
+                                except Exception as error:  # a peer that cannot run this shape: recorded, not fatal
+                                    row["note"] = f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"
+                                    torch.cuda.synchronize()
+                            rows.append(row)
                     del impls
-                for row in rows:
-                    if row["B"] == batch and row["Nq"] == nq and row["cache"] == cache and flash_ms and row.get("ms"):
-                        row["vs_sdpa_flash"] = f"{flash_ms / float(row['ms']):.2f}"
-                _print_point([r for r in rows if r["B"] == batch and r["Nq"] == nq and r["cache"] == cache])
+                point = [r for r in rows if r["B"] == batch and r["Nq"] == nq and r["cache"] == cache]
+                for row in point:
+                    if row.get("ms") and row["mode"] in flash_ms:
+                        row["vs_sdpa_flash"] = f"{flash_ms[row['mode']] / float(row['ms']):.2f}"
+                _print_point(point)
             del bufs, table
             torch.cuda.empty_cache()
     _write(rows, out)
@@ -156,7 +190,7 @@ def run(
 def _print_point(rows: list[dict]) -> None:
     for r in rows:
         print(
-            f"B={r['B']:>3} Nq={r['Nq']} cache={r['cache']:>6} {r['layout']:<5} {r['impl']:<28} "
+            f"B={r['B']:>3} Nq={r['Nq']} cache={r['cache']:>6} {r['layout']:<5} {r['impl']:<28} {r['mode']:<5} "
             f"{r.get('ms', '-'):>9} ms {r.get('GBps', '-'):>6} GB/s {r.get('of_copy', '-'):>6} of copy "
             f"x{r.get('vs_sdpa_flash', '-')} vs flash {r['note']}",
             flush=True,
@@ -173,32 +207,39 @@ def _write(rows: list[dict], out: Path) -> None:
 
 
 def plot(csv_path: Path, png: Path) -> None:
-    """Fraction of the copy ceiling per point, one panel per (Nq, layout), one line per implementation."""
+    """Fraction of the copy ceiling per point, one panel per (timing mode, Nq, layout), one line per
+    implementation."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in csv.DictReader(csv_path.open()) if r["ms"]]
-    panels = sorted({(int(r["Nq"]), r["layout"]) for r in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), sharey=True, squeeze=False)
+    for r in rows:
+        r.setdefault("mode", "eager")  # CSVs from before the graph mode timed eager calls only
+    panels = sorted({(r["mode"], int(r["Nq"]), r["layout"]) for r in rows})
+    columns = len({p[1:] for p in panels})
+    fig, axes = plt.subplots(
+        len(panels) // columns, columns, figsize=(5 * columns, 4.2 * len(panels) // columns), sharey=True, squeeze=False
+    )
     points = sorted({(int(r["cache"]), int(r["B"])) for r in rows})
     labels = [f"{c // 1024}k\nB={b}" for c, b in points]
     impls = sorted({r["impl"] for r in rows if "[" not in r["impl"]})
     colors = {impl: f"C{i}" for i, impl in enumerate(impls)}  # one colour per implementation in every panel
-    for ax, (nq, layout) in zip(axes[0], panels, strict=True):
+    for ax, (mode, nq, layout) in zip(axes.flat, panels, strict=True):
         for impl in impls:
-            got = {(int(r["cache"]), int(r["B"])): float(r["of_copy"]) for r in rows
-                   if r["impl"] == impl and int(r["Nq"]) == nq and r["layout"] == layout}  # fmt: skip
+            here = [r for r in rows if (r["impl"], r["mode"], int(r["Nq"]), r["layout"]) == (impl, mode, nq, layout)]
+            got = {(int(r["cache"]), int(r["B"])): float(r["of_copy"]) for r in here}
             if got:
                 xs = [i for i, p in enumerate(points) if p in got]
                 ax.plot(xs, [got[points[i]] for i in xs], marker="o", label=impl, color=colors[impl])
         ax.axhline(0.8, color="grey", linestyle="--", linewidth=0.8)
         ax.set_xticks(range(len(points)), labels, fontsize=7)
-        ax.set_title(f"Nq={nq}, {layout} cache" + (f" (page {PAGE})" if layout == "paged" else ""))
+        ax.set_title(f"{mode}: Nq={nq}, {layout} cache" + (f" (page {PAGE})" if layout == "paged" else ""))
         ax.set_ylim(0, 1.05)
-    axes[0][0].set_ylabel("K+V bytes / time, fraction of 3.0 TB/s")
-    handles = {h.get_label(): h for ax in axes[0] for h in ax.get_lines() if not h.get_label().startswith("_")}
+    for row_axes in axes:
+        row_axes[0].set_ylabel("K+V bytes / time, fraction of 3.0 TB/s")
+    handles = {h.get_label(): h for ax in axes.flat for h in ax.get_lines() if not h.get_label().startswith("_")}
     axes[0][0].legend(handles.values(), handles.keys(), fontsize=7)
     fig.suptitle("Decoding, bf16, H=32, Hkv=8, D=128 (H100)")
     fig.tight_layout()
@@ -215,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", nargs="+", default=["dense", "paged"], choices=["dense", "paged"])
     parser.add_argument("--only", nargs="+", help="time only these implementations")
     parser.add_argument("--configs", nargs="+", help="extra triton_splitk launches to time, 'block_n,warps,stages'")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="eager calls, graph replays")
     parser.add_argument("--budget-s", type=float, default=math.inf, help="after this, time only splitk and flash")
     args = parser.parse_args(argv)
     if args.plot:
@@ -223,7 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("error: the decoding benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
-    run(args.B, args.cache, args.Nq, args.layouts, args.out, args.budget_s, set(args.only or ()), args.configs)
+    run(
+        args.B, args.cache, args.Nq, args.layouts, args.out, args.budget_s, set(args.only or ()), args.configs,
+        tuple(args.modes),
+    )  # fmt: skip
     return 0
 
 
