@@ -9,14 +9,17 @@ Three tables, one CSV (``--out``), a plot of time against window size (``--plot`
   without them and against FlexAttention's ``score_mod`` version.
 - ``head_dims``: D = 192 with Dv = 128 (DeepSeek's MLA) beside D = 128, TFLOP/s.
 
-Shapes follow the grid: ``B = tokens / N`` (at least 1), ``H = width / D``.  Times are ``triton.testing.do_bench``
-medians after warm-up; forward and backward are timed separately (the backward on saved o and lse, Flex's through
-``torch.autograd.grad`` on a retained graph).  A case a backend does not support is written with its reason.
+Shapes follow the grid: ``B = tokens / N`` (at least 1), ``H = width / D``.  attnzoo's calls run the stored or
+heuristic configs, or with ``--autotune`` each key's timed winner; the configs that ran are printed at the end.
+Times are ``triton.testing.do_bench`` medians after warm-up; forward and backward are timed separately (the
+backward on saved o and lse, Flex's through ``torch.autograd.grad`` on a retained graph).  A case a backend does
+not support is written with its reason.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import math
 import sys
@@ -263,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--out", default="bench/results/h100_modifiers.csv")
     p.add_argument("--plot", default=None, help="PNG of time against window (default: the CSV's name, .png)")
+    p.add_argument("--autotune", action="store_true", help="time every candidate config of each new key first")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():
         print("python -m attnzoo.bench.modifiers: needs a CUDA GPU", file=sys.stderr)
@@ -270,7 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     args.N = [int(x) for x in args.N.split(",")]
     args.windows = [int(x) for x in args.windows.split(",")]
     args.modifier_N = [int(x) for x in args.modifier_N.split(",")]
-    rows = run(args)
+    from attnzoo.kernels import tuning
+
+    with tuning.autotuning(True) if args.autotune else contextlib.nullcontext():
+        rows = run(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:
@@ -279,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         writer.writerows(rows)
     plot(rows, Path(args.plot) if args.plot else out.with_suffix(".png"))
     print("\n".join(summary(rows)))
+    for key, (cfg, source) in tuning.chosen_configs().items():
+        print(f"[config] {key}: {cfg} ({source})")
     return 0
 
 
