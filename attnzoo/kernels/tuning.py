@@ -164,11 +164,14 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
 }
 
 
-def shared_memory_estimate(kernel: str, cfg: KernelConfig, block_d: int, itemsize: int) -> int:
-    """Bytes of shared memory a config needs, roughly: resident tiles + num_stages buffers per streamed tile."""
+def shared_memory_estimate(
+    kernel: str, cfg: KernelConfig, block_d: int, itemsize: int, block_dv: int | None = None
+) -> int:
+    """Bytes of shared memory a config needs, roughly: resident tiles + num_stages buffers per streamed tile.
+    ``block_dv``: the forward's V tile width where it differs from ``block_d``."""
     m, n, s = cfg.block_m, cfg.block_n, cfg.num_stages
     if kernel == "forward":  # Q resident, K and V streamed.
-        return itemsize * block_d * (m + 2 * n * s)
+        return itemsize * (block_d * (m + n * s) + (block_dv or block_d) * n * s)
     if kernel == "dkdv":  # K, V resident; Q and dO streamed; P^T and dS^T staged for the dots.
         return itemsize * (block_d * (2 * n + 2 * m * s) + 2 * m * n)
     # dq, atomic: Q and dO resident; K and V streamed; dS (and P^T) staged for the dots.
@@ -187,16 +190,31 @@ def _shared_memory_limit(device: torch.device) -> int:
     return _shared_memory_limit_of(device.index or 0)
 
 
-def candidates(kernel: str, block_d: int, dtype: torch.dtype, device: torch.device) -> list[KernelConfig]:
-    """The configs of ``kernel`` that fit the device's shared memory (at least the smallest one)."""
+def candidates(
+    kernel: str,
+    block_d: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    gluon_head_dims: tuple[int, int] | None = None,
+) -> list[KernelConfig]:
+    """The configs of ``kernel`` that fit the device's shared memory (at least the smallest one).
+
+    ``gluon_head_dims``: ``(D, Dv)`` where the call is in the Gluon kernel's scope: its tiles hold exactly D and Dv
+    columns (192 as 128 + 64, not the Triton kernels' power-of-two tile of 256), and its configs fit by those."""
     configs = CANDIDATES[kernel]
     limit = _shared_memory_limit(device)
     itemsize = dtype.itemsize
-    fitting = [c for c in configs if shared_memory_estimate(kernel, c, block_d, itemsize) <= limit]
+
+    def estimate(cfg: KernelConfig) -> int:
+        if cfg.gluon and gluon_head_dims is not None:
+            return shared_memory_estimate(kernel, cfg, gluon_head_dims[0], itemsize, gluon_head_dims[1])
+        return shared_memory_estimate(kernel, cfg, block_d, itemsize)
+
+    fitting = [c for c in configs if estimate(c) <= limit]
     if fitting:
         return fitting
     # Nothing fits by the estimate: keep the smallest and let the compiler decide.
-    return [min(configs, key=lambda c: shared_memory_estimate(kernel, c, block_d, itemsize))]
+    return [min(configs, key=estimate)]
 
 
 def _next_power_of_2(n: int) -> int:
