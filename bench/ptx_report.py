@@ -151,10 +151,12 @@ def report(
     if cfg.gluon:
         if gluon_unavailable_reason():
             raise SystemExit(gluon_unavailable_reason())
+        if kernel_name != "forward" and dv not in (None, d):
+            raise SystemExit("--dv: the Gluon forward only (the other kernels' reports take Dv = D)")
         src, num_warps = gluon_source(kernel_name, dtype, d, cfg, causal, modifiers, dv)
     else:
         if dv not in (None, d):
-            raise SystemExit("--dv: the Gluon forward only (the Triton kernels' reports take Dv = D)")
+            raise SystemExit("--dv: the Gluon forward only (the other kernels' reports take Dv = D)")
         src, num_warps = source(KERNELS[kernel_name], dtype, d, cfg, causal, q_tail, modifiers), cfg.num_warps
     compiled = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=cfg.num_stages))
     ptx = compiled.asm["ptx"]

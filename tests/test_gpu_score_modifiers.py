@@ -22,7 +22,7 @@ import attnzoo
 from attnzoo import debug, oracle
 from attnzoo.kernels.forward_gluon import attention_forward_hopper
 from attnzoo.kernels.launch import prepare
-from attnzoo.kernels.tuning import CANDIDATES
+from attnzoo.kernels.tuning import CANDIDATES, candidates, head_dim_tile
 from attnzoo.testing import AttentionInputs, oracle_for
 from attnzoo.validation import validate_forward
 
@@ -182,12 +182,16 @@ def test_gluon_forward_applies_each_modifier_it_implements(cfg, dtype):
 
 
 # (Nq, Nk, D, Dv, causal, window, softcap, alibi): head dims that are not a power of two reach the Gluon forward's
-# tiles as two column parts (192 = 128 + 64, 96 = 64 + 32), with tails on both sides and every modifier once.
+# tiles as two column parts (192 = 128 + 64, 96 = 64 + 32), with tails on both sides and every modifier once; a Dv
+# other than the first part's width (128/64, 64/128, 96/128) sends O through shared-memory rows of its own.
 SPLIT_HEAD_DIM_CASES = [
     (300, 300, 192, 128, False, None, 0.0, None),
     (257, 390, 192, 128, True, None, 0.0, None),
     (200, 333, 192, 128, True, (70, 0), 20.0, "heads"),
     (129, 77, 96, 64, False, None, 0.0, None),
+    (190, 250, 128, 64, True, None, 0.0, None),
+    (250, 190, 64, 128, False, (30, 40), 0.0, "batch-heads"),
+    (100, 300, 96, 128, True, None, 5.0, None),
 ]
 
 
@@ -196,10 +200,12 @@ SPLIT_HEAD_DIM_CASES = [
 def test_gluon_forward_takes_a_head_dim_in_two_parts(cfg, dtype):
     """The Gluon forward kernel itself with D = 192, Dv = 128 (DeepSeek's MLA) and D = 96, Dv = 64: S = Q K^T as two
     chained products over the column parts; o and lse within SPEC.md's bound of the float64 oracle.  A config whose
-    tiles do not fit the shared memory at D = 192 (OutOfResources, which the tuner skips) is printed."""
+    tiles do not fit the shared memory (OutOfResources, which the tuner skips) must be one the tuner's estimate drops
+    too."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels need an sm_90 GPU")
     for Nq, Nk, D, Dv, causal, window, softcap, alibi in SPLIT_HEAD_DIM_CASES:
+        fits = cfg in candidates("forward", head_dim_tile(D), dtype, torch.device(CUDA), gluon_head_dims=(D, Dv))
         q, k, v, _, _, slopes = _make(2, 4, 2, Nq, Nk, D, Dv, dtype, None, alibi, seed=Nq + D)
         kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=slopes)
         call = prepare(q, k, v, validate_forward(q, k, v, **kw))
@@ -211,7 +217,7 @@ def test_gluon_forward_takes_a_head_dim_in_two_parts(cfg, dtype):
                 cfg.num_stages,
             )  # fmt: skip
         except OutOfResources as error:
-            print(f"\n[split head dim] {cfg} D={D} Dv={Dv}: out of resources ({error})")
+            assert not fits, f"{cfg} D={D} Dv={Dv}: the tuner's estimate keeps a config that does not fit ({error})"
             continue
         inputs = AttentionInputs(q, k, v, None, None, slopes)
         checks = oracle_for(inputs, causal, window=window, softcap=softcap, device=CUDA).check({"o": o, "lse": lse})

@@ -456,18 +456,23 @@ def attention_forward_hopper(
             "block_m = 64 or 128"
         )
 
-    d_first, d_second = head_dim_parts(D)
-    # The column parts of q and k as views (same strides, the second one's base d_first columns on): each gets its
-    # own descriptor, and the kernel's boxes start at column 0 of each.
-    q_parts = (q, q) if not d_second else (q[..., :d_first], q[..., d_first:])
-    k_parts = (k, k) if not d_second else (k[..., :d_first], k[..., d_first:])
+    Dv = v.shape[-1]
+    d_first, d_second = head_dim_parts(D)  # ValueError for a head dim no tile pair holds
+    if Dv & (Dv - 1) or Dv < 16:
+        raise ValueError(f"Dv={Dv}: the Gluon forward's V and O tiles hold a power of two >= 16 columns")
+    if d_second:
+        # The column parts of q and k as views (same strides, the second one's base d_first columns on), each with
+        # its own descriptor: the kernel's boxes start at column 0 of each.
+        q_desc, q2_desc = tile_descriptor(q[..., :d_first], 64), tile_descriptor(q[..., d_first:], 64)
+        k_desc, k2_desc = tile_descriptor(k[..., :d_first], block_n), tile_descriptor(k[..., d_first:], block_n)
+    else:
+        q_desc, k_desc = tile_descriptor(q, 64), tile_descriptor(k, block_n)
+        q2_desc, k2_desc = q_desc, k_desc  # not read
     num_m_blocks = -(-Nq // block_m)
     attention_forward_hopper_kernel[(num_m_blocks * B * H,)](
-        tile_descriptor(q_parts[0], 64), tile_descriptor(k_parts[0], block_n),
-        tile_descriptor(q_parts[1], 64), tile_descriptor(k_parts[1], block_n),
-        tile_descriptor(v, block_n), tile_descriptor(o, 64), lse,
+        q_desc, k_desc, q2_desc, k2_desc, tile_descriptor(v, block_n), tile_descriptor(o, 64), lse,
         H, H // Hkv, Nq, Nk, num_m_blocks, scale * LOG2E, *modifiers.args[1:],
-        BLOCK_N=block_n, BLOCK_D=d_first, BLOCK_D2=d_second, BLOCK_DV=v.shape[-1], CAUSAL=causal,
+        BLOCK_N=block_n, BLOCK_D=d_first, BLOCK_D2=d_second, BLOCK_DV=Dv, CAUSAL=causal,
         NUM_WARPGROUPS=block_m // 64, NUM_STAGES=num_stages, IS_FP16=q.dtype == torch.float16,
         WINDOW_LEFT=modifiers.flags["WINDOW_LEFT"], WINDOW_RIGHT=modifiers.flags["WINDOW_RIGHT"],
         SOFTCAP=modifiers.flags["SOFTCAP"] != 0, ALIBI=modifiers.flags["ALIBI"], num_warps=KERNEL_WARPS,

@@ -527,6 +527,9 @@ def run(
         seqlen_bucket(call.problem.seqlen_k),
         call.dot_precision,
         call.modifiers.key,
+        # The Gluon kernels' tiles hold the exact head dims (192 as 128 + 64), the Triton kernels' the tile BLOCK_D:
+        # where Gluon runs a head dim below its tile, the key says which, so that no other head dim takes its winner.
+        f"D={call.problem.head_dim}" if gluon_in_scope and call.problem.head_dim != call.block_d else "",
         q.device.index,
     )
 

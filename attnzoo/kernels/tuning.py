@@ -207,7 +207,11 @@ def candidates(
 
     def estimate(cfg: KernelConfig) -> int:
         if cfg.gluon and gluon_head_dims is not None:
-            return shared_memory_estimate(kernel, cfg, gluon_head_dims[0], itemsize, gluon_head_dims[1])
+            d, dv = gluon_head_dims
+            tiles = shared_memory_estimate(kernel, cfg, d, itemsize, dv)
+            if kernel == "forward" and dv != 1 << (d.bit_length() - 1):  # O leaves through rows of its own
+                tiles += itemsize * cfg.block_m * dv
+            return tiles
         return shared_memory_estimate(kernel, cfg, block_d, itemsize)
 
     fitting = [c for c in configs if estimate(c) <= limit]
