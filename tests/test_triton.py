@@ -600,6 +600,22 @@ def test_gluon_configs_fit_by_the_exact_head_dims_where_the_gluon_kernel_runs(mo
     assert two_stages not in tuning.candidates("forward", 128, torch.float16, torch.device("cpu"), (128, 64))
 
 
+def test_wide_tiles_take_the_configs_that_do_not_spill(monkeypatch):
+    """Head-dim tile 256 (D = 192, 256): the untimed pick is the wide list's (ptxas's ranking), and V's own tile
+    (Dv = 128 at D = 192) is what the shared-memory estimate counts, so the 128 x 64 three-stage forward fits."""
+    monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 232_448)  # an H100's
+    cpu, pick = torch.device("cpu"), tuning.heuristic_pick
+    assert str(pick("dkdv", 256, tuning.candidates("dkdv", 256, torch.float16, cpu))) == "64x32 w8 s2"
+    assert str(pick("atomic", 256, tuning.candidates("atomic", 256, torch.float16, cpu))) == "128x32 w8 s2"
+    for dv, want in ((128, "128x32 w8 s3"), (256, "64x32 w4 s2")):
+        assert str(pick("dq", 256, tuning.candidates("dq", 256, torch.float16, cpu, block_dv=dv))) == want
+    wide_v, narrow_v = (tuning.candidates("forward", 256, torch.float16, cpu, block_dv=dv) for dv in (256, 128))
+    assert str(pick("forward", 256, [c for c in wide_v if not c.gluon])) == "64x32 w4 s2"
+    assert str(pick("forward", 256, [c for c in narrow_v if not c.gluon])) == "128x64 w8 s3 tma"
+    # Tiles of 64 and 128 keep their measured lists.
+    assert str(pick("dkdv", 128, tuning.candidates("dkdv", 128, torch.float16, cpu))) == "64x64 w4 s2 gluon"
+
+
 def test_a_head_dim_reaches_the_gluon_tiles_in_at_most_two_power_of_two_parts():
     from attnzoo.kernels.gluon_hopper import head_dim_parts
 

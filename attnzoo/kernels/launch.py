@@ -535,7 +535,7 @@ def run(
 
     def configs_in_scope() -> list[KernelConfig]:
         head_dims = (call.problem.head_dim, call.problem.head_dim_v) if gluon_in_scope else None
-        configs = tuning.candidates(variant.kernel, call.block_d, q.dtype, q.device, head_dims)
+        configs = tuning.candidates(variant.kernel, call.block_d, q.dtype, q.device, head_dims, call.block_dv)
         # Configs that would launch as a twin of another candidate here are not tried twice: TMA ones without
         # descriptors (their pointer twin), Gluon ones outside its scope (the Triton kernel with the same tiles).
         if any(c.tma for c in configs) and not call.kv_descriptors:
