@@ -29,9 +29,12 @@ its bytes have landed.  Two arrangements, by the number of warpgroups per Q bloc
   bf16; docs/design.md).
 
 Scope (``KernelVariant.FORWARD.gluon_scope`` in ``launch.py`` says why a call runs ``forward.py``'s kernel
-instead): an sm_90 GPU, float16/bfloat16, head dims 64 and 128, no ``seqlens_k`` (TMA zero-fills past Nk only: V
-rows past ``seqlens_k[b]`` may hold NaN, and ``0 * NaN`` would reach ``P V``), ``Dv == D``, a positive scale, and
-q/k/v that a TMA descriptor can address.
+instead): an sm_90 GPU, float16/bfloat16, the (D, Dv) pairs the scope lists (64/64, 128/128), no ``seqlens_k``
+(TMA zero-fills past Nk only: V rows past ``seqlens_k[b]`` may hold NaN, and ``0 * NaN`` would reach ``P V``), a
+positive scale, and q/k/v that a TMA descriptor can address.  The kernel itself also takes a head dim that is the
+sum of two powers of two (192 = 128 + 64: Gluon tiles have power-of-two shapes, so Q and K come in two column parts
+and ``S = Q K^T`` is two chained products) with a power-of-two Dv (DeepSeek's 192/128);
+``tests/test_gpu_score_modifiers.py`` checks it on the GPU, and the scope lists such a pair once that test has run.
 Causal masks, windows (the loop starts at the window's first tile: blocks outside the band are never loaded), the
 soft cap, ALiBi, any Nq and Nk, and grouped-query heads are handled.  Results are the same online softmax as
 ``forward.py`` (not bitwise: the products are summed in another order).
@@ -50,8 +53,10 @@ from .gluon_hopper import (
     fence_async_shared,
     gl,
     gluon,
+    head_dim_parts,
     mbarrier,
     ring_load,
+    ring_load_pair,
     ring_wait,
     tile_descriptor,
     tma,
@@ -120,11 +125,34 @@ if gluon is not None:
         return p_op, alpha, m_new, l_i
 
     @gluon.jit
+    def _load_qk(desc, desc2, bars, ring, ring2, index, batch, head, row, pred,
+                 NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
+        """A Q or K tile into slot ``index % NUM_STAGES``: one TMA box, or (SPLIT) its two column parts."""
+        if SPLIT:
+            ring_load_pair(desc, desc2, bars, ring, ring2, index, batch, head, row, pred, NUM_STAGES)
+        else:
+            ring_load(desc, bars, ring, index, batch, head, row, pred, NUM_STAGES)
+
+    @gluon.jit
+    def _issue_scores(q_tile, q2_tile, k_ready, k_ring, k2_ring, index, s,
+                      BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
+                      NUM_STAGES: gl.constexpr):  # fmt: skip
+        """Wait for K tile ``index`` and issue ``S = Q K^T`` into ``s`` (its old value ignored), asynchronously; with a
+        second column part (BLOCK_D2 > 0) as two products, the second accumulating onto the first."""
+        k_tile = ring_wait(k_ready, k_ring, index, BLOCK_N, BLOCK_D, NUM_STAGES)
+        s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s, use_acc=False, is_async=True)
+        if BLOCK_D2 > 0:
+            k2_tile = k2_ring.index(index % NUM_STAGES).reshape([BLOCK_N, BLOCK_D2])  # same barrier as k_tile
+            s = warpgroup_mma(q2_tile, k2_tile.permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
     def _attend_rows(
-        k_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
-        WARPGROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, CAUSAL: gl.constexpr,
-        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr, INLINE_LOADS: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-        WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+        k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
+        WARPGROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
+        BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        INLINE_LOADS: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+        ALIBI: gl.constexpr,
     ):  # fmt: skip
         """o and lse of the 64 rows of warpgroup ``WARPGROUP`` of the Q block (4 warps; the loop of the module
         docstring).  INLINE_LOADS: this warpgroup refills the K/V slots itself (the whole block is one warpgroup);
@@ -135,7 +163,7 @@ if gluon is not None:
         ``modifiers = (window_left, window_right, cap_in, cap_out, slope2)``, each read only under its flag; with the
         soft cap or ALiBi the scores are scaled and modified before the mask, and the softmax takes them as they are.
         """
-        q_smem, k_ring, v_ring = smem
+        q_smem, q2_smem, k_ring, k2_ring, v_ring, o_smem = smem
         q_bars, k_ready, v_ready, k_empty, v_empty = bars
         (bh, batch, head, kv_head, start_m, seqlen_q, seqlen_k,
          first_key, left_tiles, unmasked_tiles, n_tiles, qk_scale) = scalars  # fmt: skip
@@ -145,7 +173,7 @@ if gluon is not None:
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
         # Accumulator layouts of the two products (one warpgroup: a thread holds 2 of the 64 rows).
         s_layout: gl.constexpr = accumulator_layout(4, BLOCK_N)
-        o_layout: gl.constexpr = accumulator_layout(4, BLOCK_D)
+        o_layout: gl.constexpr = accumulator_layout(4, BLOCK_DV)
         # P goes from the S accumulator's registers straight into P V as its register operand (no shared memory).
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -159,11 +187,14 @@ if gluon is not None:
         q_rows = q_smem.index(WARPGROUP)
         mbarrier.wait(q_bars.index(WARPGROUP), 0)
         q_tile = q_rows.reshape([ROWS, BLOCK_D])
+        if BLOCK_D2 > 0:
+            q2_tile = q2_smem.index(WARPGROUP).reshape([ROWS, BLOCK_D2])
+        else:
+            q2_tile = q_tile  # not read
 
         # Tile 0: nothing to overlap with yet.
-        k_tile = ring_wait(k_ready, k_ring, 0, BLOCK_N, BLOCK_D, NUM_STAGES)
         s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-        s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s, use_acc=False, is_async=True)
+        s = _issue_scores(q_tile, q2_tile, k_ready, k_ring, k2_ring, 0, s, BLOCK_N, BLOCK_D, BLOCK_D2, NUM_STAGES)
         s = warpgroup_mma_wait(0, deps=(s,))
         if not INLINE_LOADS:
             mbarrier.arrive(k_empty.index(0))
@@ -179,7 +210,7 @@ if gluon is not None:
         m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([ROWS], gl.float32, s_rows)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, step_scale, DTYPE, p_layout)
-        acc = gl.zeros([ROWS, BLOCK_D], gl.float32, o_layout)
+        acc = gl.zeros([ROWS, BLOCK_DV], gl.float32, o_layout)
 
         for j in range(1, n_tiles):
             if INLINE_LOADS:
@@ -188,18 +219,18 @@ if gluon is not None:
                 cta_barrier()
                 k_next = j + NUM_STAGES - 1
                 v_next = j + NUM_STAGES - 2
-                ring_load(k_desc, k_ready, k_ring, k_next, batch, kv_head, first_key + k_next * BLOCK_N,
-                          k_next < n_tiles, NUM_STAGES)  # fmt: skip
+                _load_qk(k_desc, k2_desc, k_ready, k_ring, k2_ring, k_next, batch, kv_head,
+                         first_key + k_next * BLOCK_N, k_next < n_tiles, NUM_STAGES, BLOCK_D2 > 0)  # fmt: skip
                 ring_load(v_desc, v_ready, v_ring, v_next, batch, kv_head, first_key + v_next * BLOCK_N,
                           v_next < n_tiles, NUM_STAGES)  # fmt: skip
 
-            k_tile = ring_wait(k_ready, k_ring, j, BLOCK_N, BLOCK_D, NUM_STAGES)
             # The last S tile's registers serve as the (ignored) accumulator input: no zero tile per iteration.
-            s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s, use_acc=False, is_async=True)
+            s = _issue_scores(q_tile, q2_tile, k_ready, k_ring, k2_ring, j, s, BLOCK_N, BLOCK_D, BLOCK_D2, NUM_STAGES)
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            v_tile = ring_wait(v_ready, v_ring, j - 1, BLOCK_N, BLOCK_D, NUM_STAGES)
+            v_tile = ring_wait(v_ready, v_ring, j - 1, BLOCK_N, BLOCK_DV, NUM_STAGES)
             acc = warpgroup_mma(p, v_tile, acc, is_async=True)
-            # wgmma groups complete in order: one outstanding means S_j is done and P_{j-1} V_{j-1} may still run.
+            # wgmma groups complete in order: one outstanding means S_j (both parts) is done and P_{j-1} V_{j-1} may
+            # still run.
             s = warpgroup_mma_wait(1, deps=(s,))
             if not INLINE_LOADS:
                 # A wgmma is one operation of the whole warpgroup: once it is complete in this thread, it has read
@@ -221,7 +252,7 @@ if gluon is not None:
             p = p_next
 
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        v_tile = ring_wait(v_ready, v_ring, n_tiles - 1, BLOCK_N, BLOCK_D, NUM_STAGES)
+        v_tile = ring_wait(v_ready, v_ring, n_tiles - 1, BLOCK_N, BLOCK_DV, NUM_STAGES)
         acc = warpgroup_mma(p, v_tile, acc, is_async=True)
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
 
@@ -230,34 +261,37 @@ if gluon is not None:
         l_safe = gl.where(empty, 1.0, l_i)
         lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
         o_tile = acc * gl.convert_layout(1.0 / l_safe, o_rows)[:, None]
-        # O leaves through this warpgroup's Q rows in shared memory and one TMA store (rows past Nq are dropped by the
-        # copy engine).
+        # O leaves through shared memory (this warpgroup's Q rows when Dv = D, which the products no longer read) and
+        # one TMA store (rows past Nq are dropped by the copy engine).
+        o_slot = o_smem.index(WARPGROUP)
         cta_barrier()  # every warp is past the waits of the products that read Q
-        q_tile.store(o_tile.to(DTYPE))
+        o_slot.reshape([ROWS, BLOCK_DV]).store(o_tile.to(DTYPE))
         fence_async_shared()
         cta_barrier()
-        tma_store(o_desc, [batch, head, start_m, 0], q_rows)
+        tma_store(o_desc, [batch, head, start_m, 0], o_slot)
         gl.store(lse_ptr + bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
         tma.store_wait(0)
 
     @gluon.jit
     def _load_tiles(
-        q_desc, k_desc, v_desc, smem, bars, batch, head, kv_head, start_m, first_key, n_tiles,
-        BLOCK_N: gl.constexpr, NUM_WARPGROUPS: gl.constexpr, NUM_STAGES: gl.constexpr,
+        q_desc, k_desc, q2_desc, k2_desc, v_desc, smem, bars, batch, head, kv_head, start_m, first_key, n_tiles,
+        BLOCK_N: gl.constexpr, BLOCK_D2: gl.constexpr, NUM_WARPGROUPS: gl.constexpr, NUM_STAGES: gl.constexpr,
     ):  # fmt: skip
         """The producer warp of the warp-specialised block: each warpgroup's Q rows, then K and V tile ``i`` into slot
         ``i % NUM_STAGES`` as soon as every warpgroup has released the slot's previous tile."""
-        q_smem, k_ring, v_ring = smem
+        q_smem, q2_smem, k_ring, k2_ring, v_ring, _ = smem
         q_bars, k_ready, v_ready, k_empty, v_empty = bars
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
         for w in gl.static_range(NUM_WARPGROUPS):
-            ring_load(q_desc, q_bars, q_smem, w, batch, head, start_m + w * ROWS, True, NUM_WARPGROUPS)
+            _load_qk(q_desc, q2_desc, q_bars, q_smem, q2_smem, w, batch, head, start_m + w * ROWS, True,
+                     NUM_WARPGROUPS, BLOCK_D2 > 0)  # fmt: skip
         for i in range(n_tiles):
             slot = i % NUM_STAGES
             # An mbarrier starts as if its phase "-1" had completed, so the waits of the first round pass at once.
             free_phase = ((i // NUM_STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(slot), free_phase)
-            ring_load(k_desc, k_ready, k_ring, i, batch, kv_head, first_key + i * BLOCK_N, True, NUM_STAGES)
+            _load_qk(k_desc, k2_desc, k_ready, k_ring, k2_ring, i, batch, kv_head, first_key + i * BLOCK_N, True,
+                     NUM_STAGES, BLOCK_D2 > 0)  # fmt: skip
             mbarrier.wait(v_empty.index(slot), free_phase)
             ring_load(v_desc, v_ready, v_ring, i, batch, kv_head, first_key + i * BLOCK_N, True, NUM_STAGES)
 
@@ -266,19 +300,22 @@ if gluon is not None:
         "stride_alibi_b", "stride_alibi_h",
     ])  # fmt: skip
     def attention_forward_hopper_kernel(
-        q_desc, k_desc, v_desc, o_desc, lse_ptr,
+        q_desc, k_desc, q2_desc, k2_desc, v_desc, o_desc, lse_ptr,
         num_heads, group_size, seqlen_q, seqlen_k, num_m_blocks, qk_scale,
         window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h,
-        BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, CAUSAL: gl.constexpr, NUM_WARPGROUPS: gl.constexpr,
-        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-        SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+        BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr,
+        CAUSAL: gl.constexpr, NUM_WARPGROUPS: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
     ):  # fmt: skip
         """o, lse of one Q block of NUM_WARPGROUPS * 64 rows of one (batch, head); grid: 1-d, num_m_blocks * B * H
         programs (as ``forward.py``); launched with 4 warps (the first warpgroup; the warp-specialised block adds
         the second warpgroup and the producer warp as worker partitions).
 
         Descriptors are 4-d over ``[B, H, N, D]``, with ``[1, 1, 64, D]`` boxes for q/o and ``[1, 1, BLOCK_N, D]``
-        for k/v: a box past N reads zeros and a store past Nq is dropped, so the tails need no predicates.
+        for k/v (v and o: ``Dv`` = BLOCK_DV for D): a box past N reads zeros and a store past Nq is dropped, so the
+        tails need no predicates.  Tiles have power-of-two widths, so a head dim such as 192 comes as two column
+        parts: q_desc/k_desc over columns ``[0, BLOCK_D)`` and q2_desc/k2_desc over the next BLOCK_D2 (0: no second
+        part; q2_desc/k2_desc are then q_desc/k_desc again, unread).
         """
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
@@ -307,7 +344,17 @@ if gluon is not None:
 
         q_smem = gl.allocate_shared_memory(DTYPE, [NUM_WARPGROUPS, 1, 1, ROWS, BLOCK_D], q_desc.layout)
         k_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
-        v_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], v_desc.layout)
+        if BLOCK_D2 > 0:
+            q2_smem = gl.allocate_shared_memory(DTYPE, [NUM_WARPGROUPS, 1, 1, ROWS, BLOCK_D2], q2_desc.layout)
+            k2_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D2], k2_desc.layout)
+        else:
+            q2_smem = q_smem
+            k2_ring = k_ring
+        v_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_DV], v_desc.layout)
+        if BLOCK_DV == BLOCK_D:
+            o_smem = q_smem  # O leaves through the Q rows
+        else:
+            o_smem = gl.allocate_shared_memory(DTYPE, [NUM_WARPGROUPS, 1, 1, ROWS, BLOCK_DV], o_desc.layout)
         q_bars = gl.allocate_shared_memory(gl.int64, [NUM_WARPGROUPS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -322,7 +369,7 @@ if gluon is not None:
             mbarrier.init(v_empty.index(i), count=NUM_WARPGROUPS)
         fence_async_shared()
 
-        smem = (q_smem, k_ring, v_ring)
+        smem = (q_smem, q2_smem, k_ring, k2_ring, v_ring, o_smem)
         bars = (q_bars, k_ready, v_ready, k_empty, v_empty)
         scalars = (
             bh,
@@ -342,13 +389,14 @@ if gluon is not None:
         if NUM_WARPGROUPS == 1:
             # Prologue loads: Q, K tiles 0 .. NUM_STAGES-1, V tiles 0 .. NUM_STAGES-2 (V slot NUM_STAGES-1 is filled
             # at the top of iteration 1, when the refill schedule of _attend_rows takes over).
-            ring_load(q_desc, q_bars, q_smem, 0, batch, head, start_m, True, 1)
+            _load_qk(q_desc, q2_desc, q_bars, q_smem, q2_smem, 0, batch, head, start_m, True, 1, BLOCK_D2 > 0)
             for i in gl.static_range(NUM_STAGES):
-                ring_load(k_desc, k_ready, k_ring, i, batch, kv_head, start + i * BLOCK_N, i < n_tiles, NUM_STAGES)
+                _load_qk(k_desc, k2_desc, k_ready, k_ring, k2_ring, i, batch, kv_head, start + i * BLOCK_N, i < n_tiles,
+                         NUM_STAGES, BLOCK_D2 > 0)  # fmt: skip
             for i in gl.static_range(NUM_STAGES - 1):
                 ring_load(v_desc, v_ready, v_ring, i, batch, kv_head, start + i * BLOCK_N, i < n_tiles, NUM_STAGES)
-            _attend_rows(k_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
-                         0, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16, True,
+            _attend_rows(k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
+                         0, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16, True,
                          WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI)  # fmt: skip
         else:
             gl.static_assert(NUM_WARPGROUPS == 2, "one or two warpgroups per Q block")
@@ -357,14 +405,14 @@ if gluon is not None:
             # applies only where the kernel sets maxnreg; ptxas gives every thread 168 (65536 / 384 threads).
             gl.warp_specialize(
                 [
-                    (_attend_rows, (k_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
-                                    0, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16, False,
+                    (_attend_rows, (k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
+                                    0, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16, False,
                                     WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI)),
-                    (_attend_rows, (k_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
-                                    1, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16, False,
+                    (_attend_rows, (k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
+                                    1, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16, False,
                                     WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI)),
-                    (_load_tiles, (q_desc, k_desc, v_desc, smem, bars, batch, head, kv_head, start_m, start, n_tiles,
-                                   BLOCK_N, NUM_WARPGROUPS, NUM_STAGES)),
+                    (_load_tiles, (q_desc, k_desc, q2_desc, k2_desc, v_desc, smem, bars, batch, head, kv_head, start_m,
+                                   start, n_tiles, BLOCK_N, BLOCK_D2, NUM_WARPGROUPS, NUM_STAGES)),
                 ],
                 [4, 1],
                 [232, 24],
@@ -393,9 +441,10 @@ def attention_forward_hopper(
     num_warps: int = 8,
     num_stages: int = 2,
 ) -> None:
-    """Write ``o`` ``[B, H, Nq, D]`` (contiguous, dtype of q) and ``lse`` ``[B, H, Nq]`` float32 of one call.
+    """Write ``o`` ``[B, H, Nq, Dv]`` (contiguous, dtype of q) and ``lse`` ``[B, H, Nq]`` float32 of one call.
 
-    ``q`` ``[B, H, Nq, D]``, ``k``/``v`` ``[B, Hkv, Nk, D]``, in the scope that
+    ``q`` ``[B, H, Nq, D]``, ``k`` ``[B, Hkv, Nk, D]``, ``v`` ``[B, Hkv, Nk, Dv]`` (D: a power of two or the sum of
+    two, ``head_dim_parts``; Dv: a power of two), in the scope that
     ``KernelVariant.FORWARD.gluon_scope`` (``launch.py``) checks.  ``block_m`` = 64 (one warpgroup, ``num_warps`` = 4)
     or 128 (two warpgroups, ``num_warps`` = 8, warp-specialised with a producer warp).
     """
@@ -407,12 +456,24 @@ def attention_forward_hopper(
             "block_m = 64 or 128"
         )
 
+    Dv = v.shape[-1]
+    d_first, d_second = head_dim_parts(D)  # ValueError for a head dim no tile pair holds
+    if Dv & (Dv - 1) or Dv < 16:
+        raise ValueError(f"Dv={Dv}: the Gluon forward's V and O tiles hold a power of two >= 16 columns")
+    if d_second:
+        # The column parts of q and k as views (same strides, the second one's base d_first columns on), each with
+        # its own descriptor: the kernel's boxes start at column 0 of each.
+        q_desc, q2_desc = tile_descriptor(q[..., :d_first], 64), tile_descriptor(q[..., d_first:], 64)
+        k_desc, k2_desc = tile_descriptor(k[..., :d_first], block_n), tile_descriptor(k[..., d_first:], block_n)
+    else:
+        q_desc, k_desc = tile_descriptor(q, 64), tile_descriptor(k, block_n)
+        q2_desc, k2_desc = q_desc, k_desc  # not read
     num_m_blocks = -(-Nq // block_m)
     attention_forward_hopper_kernel[(num_m_blocks * B * H,)](
-        tile_descriptor(q, 64), tile_descriptor(k, block_n), tile_descriptor(v, block_n), tile_descriptor(o, 64), lse,
+        q_desc, k_desc, q2_desc, k2_desc, tile_descriptor(v, block_n), tile_descriptor(o, 64), lse,
         H, H // Hkv, Nq, Nk, num_m_blocks, scale * LOG2E, *modifiers.args[1:],
-        BLOCK_N=block_n, BLOCK_D=D, CAUSAL=causal, NUM_WARPGROUPS=block_m // 64, NUM_STAGES=num_stages,
-        IS_FP16=q.dtype == torch.float16, WINDOW_LEFT=modifiers.flags["WINDOW_LEFT"],
-        WINDOW_RIGHT=modifiers.flags["WINDOW_RIGHT"], SOFTCAP=modifiers.flags["SOFTCAP"] != 0,
-        ALIBI=modifiers.flags["ALIBI"], num_warps=KERNEL_WARPS,
+        BLOCK_N=block_n, BLOCK_D=d_first, BLOCK_D2=d_second, BLOCK_DV=Dv, CAUSAL=causal,
+        NUM_WARPGROUPS=block_m // 64, NUM_STAGES=num_stages, IS_FP16=q.dtype == torch.float16,
+        WINDOW_LEFT=modifiers.flags["WINDOW_LEFT"], WINDOW_RIGHT=modifiers.flags["WINDOW_RIGHT"],
+        SOFTCAP=modifiers.flags["SOFTCAP"] != 0, ALIBI=modifiers.flags["ALIBI"], num_warps=KERNEL_WARPS,
     )  # fmt: skip
