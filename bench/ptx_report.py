@@ -127,7 +127,7 @@ def gluon_source(
                  CAUSAL=causal,
                  NUM_STAGES=cfg.num_stages, IS_FP16=dtype == "fp16", NUM_WARPGROUPS=cfg.block_m // 64,
                  WINDOW_LEFT="window" in modifiers, WINDOW_RIGHT=False, SOFTCAP="softcap" in modifiers,
-                 ALIBI="alibi" in modifiers)  # fmt: skip
+                 ALIBI="alibi" in modifiers, PERSISTENT=cfg.persistent)  # fmt: skip
     signature, constexprs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in flags:
@@ -185,9 +185,12 @@ def report(
 
 
 def parse_config(text: str) -> KernelConfig:
-    """``BLOCK_M,BLOCK_N,warps,stages[,tma|,gluon]`` -> KernelConfig."""
+    """``BLOCK_M,BLOCK_N,warps,stages[,tma|,gluon[,persistent]]`` -> KernelConfig."""
     fields = text.split(",")
-    return KernelConfig(*map(int, fields[:4]), tma="tma" in fields[4:], gluon="gluon" in fields[4:])
+    flags = fields[4:]
+    return KernelConfig(
+        *map(int, fields[:4]), tma="tma" in flags, gluon="gluon" in flags, persistent="persistent" in flags
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -417,6 +417,23 @@ def prepare(
     )
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a nominal 4 on the CPU, where the interpreter runs the kernels)."""
+    if device.type != "cuda":
+        return 4
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _cuda_sm_count(index: int) -> int:
+    count = _SM_COUNTS.get(index)
+    if count is None:  # torch's query costs host time per call: asked once per device
+        count = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
+
+
 @dataclass(frozen=True)
 class GluonScope:
     """Where a variant's Gluon Hopper kernel runs, declared once (as a backend's ``Capabilities``); elsewhere its

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, as_int64, key_visible, modified_scores, online_softmax_step
-from .launch import ScoreModifiers, _placeholder, dot_precision, num_blocks
+from .launch import ScoreModifiers, _placeholder, dot_precision, num_blocks, sm_count
 from .tuning import head_dim_tile
 
 # Programs per SM the split count aims for: enough resident programs to keep each SM's loads in flight while
@@ -263,23 +263,6 @@ def choose_num_splits(programs: int, capacity: int, sm_count: int) -> int:
     wanted = num_blocks(PROGRAMS_PER_SM * sm_count, max(programs, 1))
     longest = max(1, capacity // MIN_KEYS_PER_SPLIT)
     return max(1, min(wanted, longest, MAX_SPLITS))
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (a nominal 4 on the CPU, where the interpreter runs the kernels)."""
-    if device.type != "cuda":
-        return 4
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-_SM_COUNTS: dict[int, int] = {}
-
-
-def _cuda_sm_count(index: int) -> int:
-    count = _SM_COUNTS.get(index)
-    if count is None:  # torch's query costs host time per call: asked once per device
-        count = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return count
 
 
 def splitk_attention(

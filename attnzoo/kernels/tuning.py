@@ -46,7 +46,7 @@ import torch
 
 from .._env import autotune_requested, cache_dir
 
-_CONFIG_TEXT = re.compile(r"(\d+)x(\d+) w(\d+) s(\d+)((?: (?:tma|gluon))*)")
+_CONFIG_TEXT = re.compile(r"(\d+)x(\d+) w(\d+) s(\d+)((?: (?:tma|gluon|persistent))*)")
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,8 @@ class KernelConfig:
     TMA copy engine) where the inputs allow it (``launch.descriptor_loads_possible``), else through pointers.
     gluon (forward, dK/dV kernel): run the Gluon Hopper kernel (``forward_gluon.py``, ``backward_gluon.py``;
     NUM_STAGES = num_stages) where the call is in its scope (``KernelVariant.gluon_scope``), else the Triton kernel
-    with the same tiles.  ``str(cfg)`` reads ``"128x64 w8 s3 tma"``; :meth:`parse` reads it back.
+    with the same tiles.  persistent (with gluon, 128-row forward tiles): one program per SM runs Q blocks in turn.
+    ``str(cfg)`` reads ``"128x64 w8 s3 tma"``; :meth:`parse` reads it back.
     """
 
     block_m: int
@@ -66,9 +67,12 @@ class KernelConfig:
     num_stages: int
     tma: bool = False
     gluon: bool = False
+    persistent: bool = False
 
     def __str__(self) -> str:
-        flags = (" tma" if self.tma else "") + (" gluon" if self.gluon else "")
+        flags = (
+            (" tma" if self.tma else "") + (" gluon" if self.gluon else "") + (" persistent" if self.persistent else "")
+        )
         return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}{flags}"
 
     @classmethod
@@ -91,7 +95,17 @@ class KernelConfig:
                 raise ValueError(f"kernel config {text!r}: {name} must be a power of two, got {value}")
         if stages < 1:
             raise ValueError(f"kernel config {text!r}: stages must be at least 1, got {stages}")
-        return cls(block_m, block_n, warps, stages, tma="tma" in flags, gluon="gluon" in flags)
+        if "persistent" in flags and not ("gluon" in flags and block_m == 128):
+            raise ValueError(f"kernel config {text!r}: persistent is a flag of the 128-row gluon tiles")
+        return cls(
+            block_m,
+            block_n,
+            warps,
+            stages,
+            tma="tma" in flags,
+            gluon="gluon" in flags,
+            persistent="persistent" in flags,
+        )
 
 
 INTERPRETER_CONFIG = KernelConfig(16, 16, 1, 1)
@@ -120,6 +134,9 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         KernelConfig(64, 64, 4, 3, gluon=True),
         KernelConfig(128, 128, 8, 2, gluon=True),
         KernelConfig(128, 128, 8, 3, gluon=True),
+        # Persistent: one program per SM runs Q blocks in turn, the next block's first K/V tile loading under this
+        # one's epilogue (short sequences, where a block has 1-8 K/V tiles and its prologue and epilogue weigh).
+        KernelConfig(128, 128, 8, 2, gluon=True, persistent=True),
     ],
     # K/V-stationary dK/dV: BLOCK_N keys resident, BLOCK_M query rows streamed.
     # Order: measured fastest first at fp16 D=128 N=2048 on the H100 (docs/design.md).
