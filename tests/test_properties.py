@@ -19,11 +19,12 @@ import attnzoo
 from attnzoo.backend import triton_interpreter_active
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = DEVICE == "cpu" and triton_interpreter_active()  # the Triton backends run in the interpreter
 
 
 def _limits(name: str) -> dict:
     """Sizes per example: the Triton interpreter runs every program in Python, so it gets small shapes."""
-    if DEVICE == "cpu" and name.startswith("triton") and triton_interpreter_active():
+    if INTERPRETED and name.startswith("triton"):
         return dict(max_seqlen=72, max_head_dim=128)
     return dict(max_seqlen=140, max_head_dim=256)
 
@@ -56,10 +57,9 @@ def _runnable_dtypes(backend: attnzoo.Backend) -> tuple[torch.dtype, ...]:
 # triton_splitk's backward is triton_2kernel's kernels (checked here under that name); its forward has its own bounded
 # property tests in tests/test_kvcache.py, which keeps the interpreter's share of CI's time in bounds.
 PROPERTY_BACKENDS = [name for name in attnzoo.names() if name != "triton_splitk"]
-INTERPRETED = DEVICE == "cpu" and triton_interpreter_active()
 # Under the interpreter an example of a Triton backend runs every program of four kernels in Python (about 3 s on a
 # CI core, the suite's largest share): those get half the profile's examples there, a fresh draw on every run.
-TRITON_EXAMPLES = settings(max_examples=max(10, settings.default.max_examples // (2 if INTERPRETED else 1)))
+TRITON_EXAMPLES = settings(max_examples=max(10, settings.default.max_examples // 2)) if INTERPRETED else settings()
 
 
 @pytest.mark.parametrize("name", [n for n in PROPERTY_BACKENDS if not n.startswith("triton")])
