@@ -97,17 +97,19 @@ def test_score_modifiers_match_the_oracle(name, case, dtype):
 
 
 @pytest.mark.parametrize("shard", range(SHARDS))
-@pytest.mark.parametrize("dtype,D", [(torch.float16, 128), (torch.bfloat16, 64)], ids=str)
-def test_every_candidate_config_is_correct_with_a_window_softcap_and_alibi(dtype, D, shard):
+@pytest.mark.parametrize(
+    "dtype,D,Dv", [(torch.float16, 128, 128), (torch.bfloat16, 64, 64), (torch.bfloat16, 192, 128)]
+)
+def test_every_candidate_config_is_correct_with_a_window_softcap_and_alibi(dtype, D, Dv, shard):
     """Every autotuning candidate of every kernel (Gluon and TMA ones included: the Gluon ones run their Triton twins
-    here) on a causal sliding-window call with a soft cap, ALiBi and seqlens_k (or cannot launch: OutOfResources,
-    which the tuner skips; those are printed)."""
-    q, k, v, do, sl, slopes = _make(2, 4, 2, 300, 333, D, D, dtype, [333, 100], "heads", seed=D)
+    here) on a causal sliding-window call with a soft cap, ALiBi and seqlens_k, D = 192 with Dv = 128 (the tiles of
+    256 columns) included (or cannot launch: OutOfResources, which the tuner skips; those are printed)."""
+    q, k, v, do, sl, slopes = _make(2, 4, 2, 300, 333, D, Dv, dtype, [333, 100], "heads", seed=D)
     kw = dict(causal=True, seqlens_k=sl, window=(90, 0), softcap=10.0, alibi_slopes=slopes)
     out_of_resources = check_every_candidate(
         q, k, v, do, lambda outputs: _check(outputs, q, k, v, do, **kw), shard, **kw
     )
-    print(f"\n[modifier configs] {dtype} D={D} out of resources: {out_of_resources}")
+    print(f"\n[modifier configs] {dtype} D={D} Dv={Dv} out of resources: {out_of_resources}")
 
 
 # (B, H, Hkv, Nq, Nk, causal, seqlens_k, window)
@@ -147,6 +149,14 @@ def test_window_skip_counts_on_the_gpu(geometry, backend, kernel):
     assert torch.equal(counts.skipped, (total - visited).to(counts.skipped.dtype))
 
 
+def _run_gluon_forward(cfg, call, o, lse, causal):
+    """The Gluon forward kernel itself on a prepared call, with every field of the tuning config (persistent too)."""
+    attention_forward_hopper(
+        call.q, call.k, call.v, o, lse, call.scale, causal, call.modifiers, cfg.block_m, cfg.block_n, cfg.num_warps,
+        cfg.num_stages, persistent=cfg.persistent,
+    )  # fmt: skip
+
+
 # (Nq, Nk, D, window, softcap, alibi): the Gluon forward's own modifier paths, without seqlens_k (which its scope
 # leaves to forward.py), so that each case reaches the Gluon kernel.
 GLUON_MODIFIER_CASES = [
@@ -171,10 +181,7 @@ def test_gluon_forward_applies_each_modifier_it_implements(cfg, dtype):
             call = prepare(q, k, v, validate_forward(q, k, v, **kw))
             o = torch.full((2, 4, Nq, D), float("nan"), device=CUDA, dtype=dtype)
             lse = torch.full((2, 4, Nq), float("nan"), device=CUDA)
-            attention_forward_hopper(
-                q, k, v, o, lse, call.scale, causal, call.modifiers, cfg.block_m, cfg.block_n, cfg.num_warps,
-                cfg.num_stages,
-            )  # fmt: skip
+            _run_gluon_forward(cfg, call, o, lse, causal)
             inputs = AttentionInputs(q, k, v, None, None, slopes)
             checks = oracle_for(inputs, causal, window=window, softcap=softcap, device=CUDA).check({"o": o, "lse": lse})
             for name, check in checks.items():
@@ -212,10 +219,7 @@ def test_gluon_forward_takes_a_head_dim_in_two_parts(cfg, dtype):
         o = torch.full((2, 4, Nq, Dv), float("nan"), device=CUDA, dtype=dtype)
         lse = torch.full((2, 4, Nq), float("nan"), device=CUDA)
         try:
-            attention_forward_hopper(
-                q, k, v, o, lse, call.scale, causal, call.modifiers, cfg.block_m, cfg.block_n, cfg.num_warps,
-                cfg.num_stages,
-            )  # fmt: skip
+            _run_gluon_forward(cfg, call, o, lse, causal)
         except OutOfResources as error:
             assert not fits, f"{cfg} D={D} Dv={Dv}: the tuner's estimate keeps a config that does not fit ({error})"
             continue

@@ -250,11 +250,13 @@ def test_the_gluon_scopes_name_the_modifiers_their_kernels_lack(variant, modifie
 
 @pytest.mark.parametrize("variant", [KernelVariant.FORWARD, KernelVariant.DKDV])
 def test_the_gluon_scopes_take_the_head_dims_their_kernels_were_checked_with(variant):
-    """D = Dv = 64 and 128 run the Gluon kernels; other pairs (the forward's two-part 192/128 included, until its GPU
-    test has passed) do not, and the reason names them."""
+    """D = Dv = 64 and 128 run both Gluon kernels, and D = 192 with Dv = 128 the forward's (in two column parts);
+    other pairs do not, and the reason names them."""
     scope = variant.gluon_scope
-    assert scope.head_dim_reasons(64, 64) == [] and scope.head_dim_reasons(128, 128) == []
-    for dims in ((64, 32), (256, 256), (192, 128)):
+    in_scope = [(64, 64), (128, 128)] + ([(192, 128)] if variant is KernelVariant.FORWARD else [])
+    for dims in in_scope:
+        assert scope.head_dim_reasons(*dims) == [], dims
+    for dims in {(64, 32), (256, 256), (192, 192), (192, 128)} - set(in_scope):
         assert any(f"D={dims[0]} Dv={dims[1]}" in r for r in scope.head_dim_reasons(*dims))
 
 
@@ -600,15 +602,19 @@ def test_gluon_configs_fit_by_the_exact_head_dims_where_the_gluon_kernel_runs(mo
     assert two_stages not in tuning.candidates("forward", 128, torch.float16, torch.device("cpu"), (128, 64))
 
 
-def test_wide_tiles_take_the_configs_that_do_not_spill(monkeypatch):
-    """Head-dim tile 256 (D = 192, 256): the untimed pick is the wide list's (ptxas's ranking), and V's own tile
-    (Dv = 128 at D = 192) is what the shared-memory estimate counts, so the 128 x 64 three-stage forward fits."""
+def test_wide_tiles_take_the_configs_timed_at_d192(monkeypatch):
+    """Head-dim tile 256 (D = 192, 256): the untimed pick is the wide list's (timed at D = 192, Dv = 128; where
+    Dv = 256 leaves those out of the shared memory, ptxas's ranking), and V's own tile (Dv = 128 at D = 192) is what
+    the shared-memory estimate counts, so the 128 x 64 three-stage forward fits."""
     monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 232_448)  # an H100's
     cpu, pick = torch.device("cpu"), tuning.heuristic_pick
-    assert str(pick("dkdv", 256, tuning.candidates("dkdv", 256, torch.float16, cpu))) == "64x32 w8 s2"
+    for dv, dkdv, dq in ((128, "32x128 w8 s3", "64x64 w4 s3 tma"), (256, "64x32 w8 s2", "64x32 w4 s2")):
+        assert str(pick("dkdv", 256, tuning.candidates("dkdv", 256, torch.float16, cpu, block_dv=dv))) == dkdv
+        assert str(pick("dq", 256, tuning.candidates("dq", 256, torch.float16, cpu, block_dv=dv))) == dq
+    # Without TMA descriptors (the launcher drops TMA configs), the dQ pick is the next of the list.
+    no_tma = [c for c in tuning.candidates("dq", 256, torch.float16, cpu, block_dv=128) if not c.tma]
+    assert str(pick("dq", 256, no_tma)) == "128x32 w8 s3"
     assert str(pick("atomic", 256, tuning.candidates("atomic", 256, torch.float16, cpu))) == "128x32 w8 s2"
-    for dv, want in ((128, "128x32 w8 s3"), (256, "64x32 w4 s2")):
-        assert str(pick("dq", 256, tuning.candidates("dq", 256, torch.float16, cpu, block_dv=dv))) == want
     wide_v, narrow_v = (tuning.candidates("forward", 256, torch.float16, cpu, block_dv=dv) for dv in (256, 128))
     assert str(pick("forward", 256, [c for c in wide_v if not c.gluon])) == "64x32 w4 s2"
     assert str(pick("forward", 256, [c for c in narrow_v if not c.gluon])) == "128x64 w8 s3 tma"
