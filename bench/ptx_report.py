@@ -89,12 +89,19 @@ def source(
 
 
 def gluon_source(
-    kernel_name: str, dtype: str, d: int, cfg: KernelConfig, causal: bool, modifiers: frozenset[str] = frozenset()
+    kernel_name: str,
+    dtype: str,
+    d: int,
+    cfg: KernelConfig,
+    causal: bool,
+    modifiers: frozenset[str] = frozenset(),
+    dv: int | None = None,
 ):
     """A Gluon Hopper kernel (a ``gluon`` config of the forward or the dK/dV kernel) as its launcher
     (``forward_gluon.attention_forward_hopper``, ``backward_gluon.attention_dkdv_hopper``) specialises it, and the
     ``num_warps`` it launches with: descriptors of ``[1, 1, rows, d]`` boxes; the forward's q/o boxes hold one
-    warpgroup's 64 rows, its k/v boxes BLOCK_N; the dK/dV kernel's q/dO boxes BLOCK_M rows, its k/v/dK/dV BLOCK_N."""
+    warpgroup's 64 rows, its k/v boxes BLOCK_N; the dK/dV kernel's q/dO boxes BLOCK_M rows, its k/v/dK/dV BLOCK_N.
+    ``dv``: the forward's value head dim (v and o boxes; None: ``d``)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -106,20 +113,29 @@ def gluon_source(
     else:
         kernel, q_rows, num_warps = attention_dkdv_hopper_kernel, cfg.block_m, cfg.num_warps
 
-    def descriptor(rows: int) -> str:
-        box = [1, 1, rows, d]
+    from attnzoo.kernels.gluon_hopper import head_dim_parts
+
+    dv = d if dv is None else dv
+    d_first, d_second = head_dim_parts(d) if kernel_name == "forward" else (d, 0)
+
+    def descriptor(rows: int, width: int) -> str:
+        box = [1, 1, rows, width]
         layout = gl.NVMMASharedLayout.get_default_for(box, gl.float16 if dtype == "fp16" else gl.bfloat16)
         return f"tensordesc<{DTYPES[dtype]}[{', '.join(map(str, box))}],{layout!r}>"
 
-    flags = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=d, CAUSAL=causal, NUM_STAGES=cfg.num_stages,
-                 IS_FP16=dtype == "fp16", NUM_WARPGROUPS=cfg.block_m // 64, WINDOW_LEFT="window" in modifiers,
-                 WINDOW_RIGHT=False, SOFTCAP="softcap" in modifiers, ALIBI="alibi" in modifiers)  # fmt: skip
+    flags = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=d_first, BLOCK_D2=d_second, BLOCK_DV=dv,
+                 CAUSAL=causal,
+                 NUM_STAGES=cfg.num_stages, IS_FP16=dtype == "fp16", NUM_WARPGROUPS=cfg.block_m // 64,
+                 WINDOW_LEFT="window" in modifiers, WINDOW_RIGHT=False, SOFTCAP="softcap" in modifiers,
+                 ALIBI="alibi" in modifiers, PERSISTENT=cfg.persistent)  # fmt: skip
     signature, constexprs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in flags:
             signature[name], constexprs[(i,)] = "constexpr", flags[name]
         elif name.endswith("_desc"):
-            signature[name] = descriptor(q_rows if name in ("q_desc", "o_desc", "do_desc") else cfg.block_n)
+            rows = q_rows if name in ("q_desc", "q2_desc", "o_desc", "do_desc") else cfg.block_n
+            width = {"v_desc": dv, "o_desc": dv, "q2_desc": d_second or d_first, "k2_desc": d_second or d_first}
+            signature[name] = descriptor(rows, width.get(name, d_first))
         elif name.endswith("_ptr"):
             signature[name] = "*fp32"
         else:
@@ -129,14 +145,18 @@ def gluon_source(
 
 def report(
     kernel_name: str, dtype: str, d: int, cfg: KernelConfig, causal: bool, q_tail: bool,
-    modifiers: frozenset[str] = frozenset(),
+    modifiers: frozenset[str] = frozenset(), dv: int | None = None,
 ) -> dict:  # fmt: skip
     """Registers, spill bytes, global store / reduction widths and the wgmma waits of one compiled config."""
     if cfg.gluon:
         if gluon_unavailable_reason():
             raise SystemExit(gluon_unavailable_reason())
-        src, num_warps = gluon_source(kernel_name, dtype, d, cfg, causal, modifiers)
+        if kernel_name != "forward" and dv not in (None, d):
+            raise SystemExit("--dv: the Gluon forward only (the other kernels' reports take Dv = D)")
+        src, num_warps = gluon_source(kernel_name, dtype, d, cfg, causal, modifiers, dv)
     else:
+        if dv not in (None, d):
+            raise SystemExit("--dv: the Gluon forward only (the other kernels' reports take Dv = D)")
         src, num_warps = source(KERNELS[kernel_name], dtype, d, cfg, causal, q_tail, modifiers), cfg.num_warps
     compiled = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=cfg.num_stages))
     ptx = compiled.asm["ptx"]
@@ -165,9 +185,12 @@ def report(
 
 
 def parse_config(text: str) -> KernelConfig:
-    """``BLOCK_M,BLOCK_N,warps,stages[,tma|,gluon]`` -> KernelConfig."""
+    """``BLOCK_M,BLOCK_N,warps,stages[,tma|,gluon[,persistent]]`` -> KernelConfig."""
     fields = text.split(",")
-    return KernelConfig(*map(int, fields[:4]), tma="tma" in fields[4:], gluon="gluon" in fields[4:])
+    flags = fields[4:]
+    return KernelConfig(
+        *map(int, fields[:4]), tma="tma" in flags, gluon="gluon" in flags, persistent="persistent" in flags
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--config", help="BLOCK_M,BLOCK_N,warps,stages[,tma|,gluon] (default: every autotuning candidate)"
     )
+    parser.add_argument("--dv", type=int, help="the Gluon forward's value head dim (default: D)")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--q-tail", action="store_true", help="dkdv: Nq not a multiple of BLOCK_M")
     parser.add_argument(
@@ -191,10 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         configs = [parse_config(args.config)] if args.config else CANDIDATES[name]
         for d in map(int, args.d.split(",")):
             for cfg in configs:
-                r = report(name, args.dtype, d, cfg, args.causal, args.q_tail, modifiers)
+                r = report(name, args.dtype, d, cfg, args.causal, args.q_tail, modifiers, args.dv)
                 widths = lambda counts: " ".join(f"{n}x{w}" for w, n in sorted(counts.items())) or "-"  # noqa: E731
                 print(
-                    f"{name} {args.dtype} D={d} {cfg}: "
+                    f"{name} {args.dtype} D={d}{f' Dv={args.dv}' if args.dv else ''} {cfg}: "
                     f"{r['registers']} registers, spill {r['spill_stores']}/{r['spill_loads']} B stored/loaded, "
                     f"stores {widths(r['stores'])}, reductions {widths(r['reductions'])}, "
                     f"wgmma waits {widths(r['mma_waits'])}",

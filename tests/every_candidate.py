@@ -19,8 +19,10 @@ def check_every_candidate(q, k, v, do, check: Callable[[tuple], None], shard: in
     round-robin over the longest list, on the call ``(q, k, v, **kw)``; ``check`` judges each ``(o, lse, dq, dk, dv)``
     (the backward runs on the tuned forward's o and lse).  Only the rounds ``i`` with ``i % SHARDS == shard`` run.
     Returns the configs that ran out of resources."""
-    D, dtype = q.shape[-1], q.dtype
-    lists = {name: candidates(name, head_dim_tile(D), dtype, q.device) for name in CANDIDATES}
+    D, Dv, dtype = q.shape[-1], v.shape[-1], q.dtype
+    lists = {
+        name: candidates(name, head_dim_tile(D), dtype, q.device, block_dv=head_dim_tile(Dv)) for name in CANDIDATES
+    }
     o_ref, lse_ref = attnzoo.get("triton_2kernel").forward(q, k, v, **kw)
     out_of_resources = []
     for i in range(shard, max(len(c) for c in lists.values()), SHARDS):

@@ -160,6 +160,28 @@ def test_gluon_hopper_forward_against_oracle(cfg):
         _report(f"[gluon] {cfg} {str(dtype)[6:]} N={Nq}x{Nk} D={D} causal={causal} {layout}: {' '.join(errors)}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_persistent_gluon_forward_runs_several_q_blocks_per_program(dtype):
+    """More Q blocks than SMs, so that each persistent program runs several in turn: the K/V rings' slots and
+    phases carry from one block to the next and each block's Q rows are reloaded after the previous block's O left
+    through them.  Full, causal (blocks of different lengths, GQA) and windowed calls: o and lse within SPEC.md's
+    bound of the float64 oracle, every element written."""
+    _needs_hopper()
+    cfg = tuning.KernelConfig.parse("128x128 w8 s2 gluon persistent")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for causal, window, N, D in ((False, None, 1000, 128), (True, None, 1536, 64), (True, (300, 0), 1100, 128)):
+        B, H, Hkv = 3, 16, 4
+        q_blocks = -(-N // 128) * B * H
+        assert q_blocks > 2 * sms  # at least two Q blocks per program
+        x = random_inputs(B, H, Hkv, N, N, D, dtype=dtype, device=CUDA, seed=N + D)
+        call = prepare(x.q, x.k, x.v, validate_forward(x.q, x.k, x.v, causal, window=window), forced={"forward": cfg})
+        assert not call.gluon_reasons(KernelVariant.FORWARD), call.gluon_reasons(KernelVariant.FORWARD)
+        o, lse = attention_forward(call)
+        inputs = AttentionInputs(x.q, x.k, x.v, None, None)
+        for name, check in oracle_for(inputs, causal, window=window, device=CUDA).check({"o": o, "lse": lse}).items():
+            assert check.ok, f"{dtype} causal={causal} window={window} N={N} D={D}: {name}: {check.message}"
+
+
 @pytest.mark.parametrize("cfg", [c for c in CANDIDATES["dkdv"] if c.gluon], ids=str)
 def test_gluon_hopper_dkdv_against_oracle(cfg):
     """Each ``gluon`` dK/dV candidate runs the Gluon kernel on these inputs (not its Triton twin): dk and dv within

@@ -3,8 +3,10 @@ windows, the soft cap, ALiBi and a value head dim Dv != D, alone and together, i
 every candidate config of every kernel on a windowed, soft-capped ALiBi call; the debug tile counts on the GPU.
 
 Shapes are small enough for the CPU float64 oracle, which judges by SPEC.md's rule (as ``test_gpu.py``'s small
-checks do).  The Gluon Hopper kernels have no score modifiers yet: their ``gluon`` configs run the Triton kernel with
-the same tiles on these calls (``GluonScope.modifier_reasons``), which the candidate test checks too.
+checks do).  The Gluon forward applies windows, the soft cap and ALiBi, and takes a head dim in two column parts
+(D = 192 with Dv = 128): tests below call it directly.  The Gluon dK/dV kernel has no score modifiers: its ``gluon``
+configs run the Triton kernel with the same tiles on these calls (``GluonScope.modifier_reasons``), which the
+candidate test checks too.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import math
 import pytest
 import torch
 from every_candidate import SHARDS, check_every_candidate
+from triton.runtime.errors import OutOfResources
 
 import attnzoo
 from attnzoo import debug, oracle
 from attnzoo.kernels.forward_gluon import attention_forward_hopper
 from attnzoo.kernels.launch import prepare
-from attnzoo.kernels.tuning import CANDIDATES
+from attnzoo.kernels.tuning import CANDIDATES, candidates, head_dim_tile
 from attnzoo.testing import AttentionInputs, oracle_for
 from attnzoo.validation import validate_forward
 
@@ -94,17 +97,19 @@ def test_score_modifiers_match_the_oracle(name, case, dtype):
 
 
 @pytest.mark.parametrize("shard", range(SHARDS))
-@pytest.mark.parametrize("dtype,D", [(torch.float16, 128), (torch.bfloat16, 64)], ids=str)
-def test_every_candidate_config_is_correct_with_a_window_softcap_and_alibi(dtype, D, shard):
+@pytest.mark.parametrize(
+    "dtype,D,Dv", [(torch.float16, 128, 128), (torch.bfloat16, 64, 64), (torch.bfloat16, 192, 128)]
+)
+def test_every_candidate_config_is_correct_with_a_window_softcap_and_alibi(dtype, D, Dv, shard):
     """Every autotuning candidate of every kernel (Gluon and TMA ones included: the Gluon ones run their Triton twins
-    here) on a causal sliding-window call with a soft cap, ALiBi and seqlens_k (or cannot launch: OutOfResources,
-    which the tuner skips; those are printed)."""
-    q, k, v, do, sl, slopes = _make(2, 4, 2, 300, 333, D, D, dtype, [333, 100], "heads", seed=D)
+    here) on a causal sliding-window call with a soft cap, ALiBi and seqlens_k, D = 192 with Dv = 128 (the tiles of
+    256 columns) included (or cannot launch: OutOfResources, which the tuner skips; those are printed)."""
+    q, k, v, do, sl, slopes = _make(2, 4, 2, 300, 333, D, Dv, dtype, [333, 100], "heads", seed=D)
     kw = dict(causal=True, seqlens_k=sl, window=(90, 0), softcap=10.0, alibi_slopes=slopes)
     out_of_resources = check_every_candidate(
         q, k, v, do, lambda outputs: _check(outputs, q, k, v, do, **kw), shard, **kw
     )
-    print(f"\n[modifier configs] {dtype} D={D} out of resources: {out_of_resources}")
+    print(f"\n[modifier configs] {dtype} D={D} Dv={Dv} out of resources: {out_of_resources}")
 
 
 # (B, H, Hkv, Nq, Nk, causal, seqlens_k, window)
@@ -144,6 +149,14 @@ def test_window_skip_counts_on_the_gpu(geometry, backend, kernel):
     assert torch.equal(counts.skipped, (total - visited).to(counts.skipped.dtype))
 
 
+def _run_gluon_forward(cfg, call, o, lse, causal):
+    """The Gluon forward kernel itself on a prepared call, with every field of the tuning config (persistent too)."""
+    attention_forward_hopper(
+        call.q, call.k, call.v, o, lse, call.scale, causal, call.modifiers, cfg.block_m, cfg.block_n, cfg.num_warps,
+        cfg.num_stages, persistent=cfg.persistent,
+    )  # fmt: skip
+
+
 # (Nq, Nk, D, window, softcap, alibi): the Gluon forward's own modifier paths, without seqlens_k (which its scope
 # leaves to forward.py), so that each case reaches the Gluon kernel.
 GLUON_MODIFIER_CASES = [
@@ -168,11 +181,49 @@ def test_gluon_forward_applies_each_modifier_it_implements(cfg, dtype):
             call = prepare(q, k, v, validate_forward(q, k, v, **kw))
             o = torch.full((2, 4, Nq, D), float("nan"), device=CUDA, dtype=dtype)
             lse = torch.full((2, 4, Nq), float("nan"), device=CUDA)
-            attention_forward_hopper(
-                q, k, v, o, lse, call.scale, causal, call.modifiers, cfg.block_m, cfg.block_n, cfg.num_warps,
-                cfg.num_stages,
-            )  # fmt: skip
+            _run_gluon_forward(cfg, call, o, lse, causal)
             inputs = AttentionInputs(q, k, v, None, None, slopes)
             checks = oracle_for(inputs, causal, window=window, softcap=softcap, device=CUDA).check({"o": o, "lse": lse})
             for name, check in checks.items():
                 assert check.ok, f"{cfg} {dtype} causal={causal} N={Nq}x{Nk} D={D} {kw}: {name}: {check.message}"
+
+
+# (Nq, Nk, D, Dv, causal, window, softcap, alibi): head dims that are not a power of two reach the Gluon forward's
+# tiles as two column parts (192 = 128 + 64, 96 = 64 + 32), with tails on both sides and every modifier once; a Dv
+# other than the first part's width (128/64, 64/128, 96/128) sends O through shared-memory rows of its own.
+SPLIT_HEAD_DIM_CASES = [
+    (300, 300, 192, 128, False, None, 0.0, None),
+    (257, 390, 192, 128, True, None, 0.0, None),
+    (200, 333, 192, 128, True, (70, 0), 20.0, "heads"),
+    (129, 77, 96, 64, False, None, 0.0, None),
+    (190, 250, 128, 64, True, None, 0.0, None),
+    (250, 190, 64, 128, False, (30, 40), 0.0, "batch-heads"),
+    (100, 300, 96, 128, True, None, 5.0, None),
+]
+
+
+@pytest.mark.parametrize("cfg", [c for c in CANDIDATES["forward"] if c.gluon], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gluon_forward_takes_a_head_dim_in_two_parts(cfg, dtype):
+    """The Gluon forward kernel itself with D = 192, Dv = 128 (DeepSeek's MLA) and D = 96, Dv = 64: S = Q K^T as two
+    chained products over the column parts; o and lse within SPEC.md's bound of the float64 oracle.  A config whose
+    tiles do not fit the shared memory (OutOfResources, which the tuner skips) must be one the tuner's estimate drops
+    too."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels need an sm_90 GPU")
+    for Nq, Nk, D, Dv, causal, window, softcap, alibi in SPLIT_HEAD_DIM_CASES:
+        fits = cfg in candidates("forward", head_dim_tile(D), dtype, torch.device(CUDA), gluon_head_dims=(D, Dv))
+        q, k, v, _, _, slopes = _make(2, 4, 2, Nq, Nk, D, Dv, dtype, None, alibi, seed=Nq + D)
+        kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=slopes)
+        call = prepare(q, k, v, validate_forward(q, k, v, **kw))
+        o = torch.full((2, 4, Nq, Dv), float("nan"), device=CUDA, dtype=dtype)
+        lse = torch.full((2, 4, Nq), float("nan"), device=CUDA)
+        try:
+            _run_gluon_forward(cfg, call, o, lse, causal)
+        except OutOfResources as error:
+            assert not fits, f"{cfg} D={D} Dv={Dv}: the tuner's estimate keeps a config that does not fit ({error})"
+            continue
+        inputs = AttentionInputs(q, k, v, None, None, slopes)
+        checks = oracle_for(inputs, causal, window=window, softcap=softcap, device=CUDA).check({"o": o, "lse": lse})
+        for name, check in checks.items():
+            assert check.ok, f"{cfg} {dtype} N={Nq}x{Nk} D={D} Dv={Dv} {kw}: {name}: {check.message}"

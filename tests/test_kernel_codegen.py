@@ -53,7 +53,10 @@ def test_the_gluon_kernels_keep_a_product_in_flight_during_the_softmax(kernel):
     """The Gluon Hopper kernels exist to overlap the softmax (forward) or the softmax gradient (dK/dV) with matrix
     products: their loops must wait for the wgmma groups with one still in flight ("wait 1"). Spills stay out of
     the forward's candidates and out of the dK/dV candidates without a mask (the causal diagonal's mask costs a few
-    registers at the 255 limit; Triton 3.6 and 3.9 spill at most a few words there)."""
+    registers at the 255 limit; Triton 3.6 and 3.9 spill at most a few words there).  The persistent forward keeps
+    its loop over Q blocks at the 168-register limit of two warpgroups and a producer warp: this report's plain
+    ptxas run spills a few words of it with the causal mask (12/16 B), and Triton 3.9's own build (ptxas with
+    ``--regAllocOptLevel=2``) none, so it gets the dK/dV allowance."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     from attnzoo.kernels.tuning import CANDIDATES
 
@@ -61,13 +64,14 @@ def test_the_gluon_kernels_keep_a_product_in_flight_during_the_softmax(kernel):
     assert configs
     for cfg in configs:
         flags = ",".join(map(str, (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages))) + ",gluon"
+        flags += ",persistent" if cfg.persistent else ""
         for causal in ((), ("--causal",)):
             lines = _ptx_report("--kernel", kernel, "--d", "64,128", "--config", flags, *causal)
             assert len(lines) == 2
             for line in lines:
                 spills = re.search(r"spill (\d+)/(\d+) B", line)
                 assert spills, line
-                limit = 32 if kernel == "dkdv" and causal else 0
+                limit = 32 if (kernel == "dkdv" or cfg.persistent) and causal else 0
                 assert int(spills.group(1)) <= limit and int(spills.group(2)) <= limit, line
                 waits = re.search(r"wgmma waits (.*)$", line).group(1).split()
                 assert any(w.endswith("x1") for w in waits), line

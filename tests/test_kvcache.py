@@ -86,6 +86,15 @@ def test_splitk_merge_equals_the_single_split_result():
     torch.testing.assert_close(lse6, lse1, atol=2e-6, rtol=2e-6)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("page_size, block_n", [(32, 16), (64, 32), (48, 16), (24, 16), (16, 32)])
+def test_splitk_reads_a_page_per_tile_or_per_key(page_size, block_n):
+    """A page size that is a multiple of the tile: one block-table entry per tile (the tile lies in one page); any
+    other: one per key.  Both against the oracle, with splits and lengths that end inside a tile."""
+    case = _case(capacity=4 * page_size, cache_seqlens=(4 * page_size - 2, page_size + 5, 0), page_size=page_size)
+    run_and_judge(case, attnzoo.get("triton_splitk", num_splits=3, block_n=block_n))
+
+
 def test_auto_picks_a_reference_on_the_cpu_and_appends_once():
     case = _case()
     x = case.make()

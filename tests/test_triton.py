@@ -232,7 +232,6 @@ def test_a_window_through_tensor_descriptors_equals_pointer_loads():
         (dict(window=(None, -3)), "window", "window"),
         (dict(softcap=5.0), "softcap", "softcap"),
         (dict(alibi_slopes=torch.full((2,), 0.5)), "alibi", "alibi"),
-        (dict(head_dim_v=32), None, "Dv != D"),
     ],
 )
 @pytest.mark.parametrize("variant", [KernelVariant.FORWARD, KernelVariant.DKDV])
@@ -240,9 +239,6 @@ def test_the_gluon_scopes_name_the_modifiers_their_kernels_lack(variant, modifie
     """A call with a modifier a Gluon kernel does not apply runs the Triton kernel with the same tiles (the tuner then
     drops the ``gluon`` twin): its scope names the modifier; one the kernel applies is not named."""
     q, k, v, _, _ = _inputs(1, 2, 2, 64, 64, 64, None, dtype=torch.float16)
-    modifier = dict(modifier)
-    if "head_dim_v" in modifier:
-        v = torch.randn(1, 2, 64, modifier.pop("head_dim_v"), dtype=v.dtype, device=v.device)
     modifier = {key: val.to(DEVICE) if isinstance(val, torch.Tensor) else val for key, val in modifier.items()}
     call = prepare(q, k, v, validate_forward(q, k, v, **modifier))
     scope = variant.gluon_scope
@@ -250,6 +246,18 @@ def test_the_gluon_scopes_name_the_modifiers_their_kernels_lack(variant, modifie
     applies = field is not None and getattr(scope, field)
     assert applies != any(reason in r for r in reasons), reasons
     assert scope.modifier_reasons(prepare(q, k, k, validate_forward(q, k, k)).modifiers) == []
+
+
+@pytest.mark.parametrize("variant", [KernelVariant.FORWARD, KernelVariant.DKDV])
+def test_the_gluon_scopes_take_the_head_dims_their_kernels_were_checked_with(variant):
+    """D = Dv = 64 and 128 run both Gluon kernels, and D = 192 with Dv = 128 the forward's (in two column parts);
+    other pairs do not, and the reason names them."""
+    scope = variant.gluon_scope
+    in_scope = [(64, 64), (128, 128)] + ([(192, 128)] if variant is KernelVariant.FORWARD else [])
+    for dims in in_scope:
+        assert scope.head_dim_reasons(*dims) == [], dims
+    for dims in {(64, 32), (256, 256), (192, 192), (192, 128)} - set(in_scope):
+        assert any(f"D={dims[0]} Dv={dims[1]}" in r for r in scope.head_dim_reasons(*dims))
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES)
@@ -577,6 +585,52 @@ def test_candidates_pruned_by_shared_memory(monkeypatch):
     assert len(fitting) < len(tuning.CANDIDATES["forward"])
     monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 1)
     assert len(tuning.candidates("dkdv", 256, torch.float32, torch.device("cpu"))) == 1
+
+
+def test_gluon_configs_fit_by_the_exact_head_dims_where_the_gluon_kernel_runs(monkeypatch):
+    """D = 192, Dv = 128: the Triton kernels' tile is 256 wide, the Gluon forward's tiles 128 + 64 (K) and 128 (V),
+    so its 128 x 128 two-stage tile fits an H100's shared memory (213 KB) and the three-stage one does not."""
+    monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 232_448)  # an H100's
+    two_stages, three_stages = KernelConfig.parse("128x128 w8 s2 gluon"), KernelConfig.parse("128x128 w8 s3 gluon")
+    as_triton = tuning.candidates("forward", 256, torch.float16, torch.device("cpu"))
+    as_gluon = tuning.candidates("forward", 256, torch.float16, torch.device("cpu"), gluon_head_dims=(192, 128))
+    assert two_stages not in as_triton and two_stages in as_gluon and three_stages not in as_gluon
+    assert [c for c in as_gluon if not c.gluon] == [c for c in as_triton if not c.gluon]
+    assert tuning.shared_memory_estimate("forward", two_stages, 192, 2, 128) == 2 * (192 * (128 + 256) + 128 * 256)
+    # D = 128, Dv = 64: O leaves through rows of its own (128 x 64), which the estimate counts.
+    monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 2 * (128 * 384 + 64 * 256) + 2 * 128 * 64 - 1)
+    assert two_stages not in tuning.candidates("forward", 128, torch.float16, torch.device("cpu"), (128, 64))
+
+
+def test_wide_tiles_take_the_configs_timed_at_d192(monkeypatch):
+    """Head-dim tile 256 (D = 192, 256): the untimed pick is the wide list's (timed at D = 192, Dv = 128; where
+    Dv = 256 leaves those out of the shared memory, ptxas's ranking), and V's own tile (Dv = 128 at D = 192) is what
+    the shared-memory estimate counts, so the 128 x 64 three-stage forward fits."""
+    monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 232_448)  # an H100's
+    cpu, pick = torch.device("cpu"), tuning.heuristic_pick
+    for dv, dkdv, dq in ((128, "32x128 w8 s3", "64x64 w4 s3 tma"), (256, "64x32 w8 s2", "64x32 w4 s2")):
+        assert str(pick("dkdv", 256, tuning.candidates("dkdv", 256, torch.float16, cpu, block_dv=dv))) == dkdv
+        assert str(pick("dq", 256, tuning.candidates("dq", 256, torch.float16, cpu, block_dv=dv))) == dq
+    # Without TMA descriptors (the launcher drops TMA configs), the dQ pick is the next of the list.
+    no_tma = [c for c in tuning.candidates("dq", 256, torch.float16, cpu, block_dv=128) if not c.tma]
+    assert str(pick("dq", 256, no_tma)) == "128x32 w8 s3"
+    assert str(pick("atomic", 256, tuning.candidates("atomic", 256, torch.float16, cpu))) == "128x32 w8 s2"
+    wide_v, narrow_v = (tuning.candidates("forward", 256, torch.float16, cpu, block_dv=dv) for dv in (256, 128))
+    assert str(pick("forward", 256, [c for c in wide_v if not c.gluon])) == "64x32 w4 s2"
+    assert str(pick("forward", 256, [c for c in narrow_v if not c.gluon])) == "128x64 w8 s3 tma"
+    # Tiles of 64 and 128 keep their measured lists.
+    assert str(pick("dkdv", 128, tuning.candidates("dkdv", 128, torch.float16, cpu))) == "64x64 w4 s2 gluon"
+
+
+def test_a_head_dim_reaches_the_gluon_tiles_in_at_most_two_power_of_two_parts():
+    from attnzoo.kernels.gluon_hopper import head_dim_parts
+
+    assert [head_dim_parts(d) for d in (64, 128, 256, 192, 96, 80)] == [
+        (64, 0), (128, 0), (256, 0), (128, 64), (64, 32), (64, 16),
+    ]  # fmt: skip
+    for d in (72, 112, 200):  # a rest below one wgmma K step (16), or not a power of two
+        with pytest.raises(ValueError, match=f"head dim {d}"):
+            head_dim_parts(d)
 
 
 @pytest.mark.parametrize("name", ["triton_2kernel", "triton_atomic"])

@@ -59,7 +59,12 @@ def test_config_text_round_trips():
         for cfg in configs:
             assert KernelConfig.parse(str(cfg)) == cfg
     assert KernelConfig.parse("128x64 w8 s3 tma gluon") == KernelConfig(128, 64, 8, 3, tma=True, gluon=True)
-    for bad in ("128x64", "128x64 w8 s3 fast", "100x64 w8 s3", "128x64 w8 s0", "128x64 w8 s3 tma tma", ""):
+    persistent = KernelConfig(128, 128, 8, 2, gluon=True, persistent=True)
+    assert KernelConfig.parse("128x128 w8 s2 gluon persistent") == persistent and str(persistent).endswith("persistent")
+    bad_texts = ("128x64", "128x64 w8 s3 fast", "100x64 w8 s3", "128x64 w8 s0", "128x64 w8 s3 tma tma", "")
+    # persistent: a flag of the warp-specialised (128-row) Gluon forward tiles only
+    bad_texts += ("128x128 w8 s2 persistent", "64x64 w4 s2 gluon persistent")
+    for bad in bad_texts:
         with pytest.raises(ValueError, match="kernel config"):
             KernelConfig.parse(bad)
 

@@ -95,8 +95,14 @@ _FLEX = None
 
 
 def _compiled_flex(flex_attention):
+    """FlexAttention compiled once per shape (``dynamic=False``: its decoding kernel specialised as in serving).  The
+    grid has up to 18 shapes and Dynamo's default recompile limit is 8: past it, ``flex_attention`` would fall back to
+    its unfused eager form (materialised scores: 64 GiB at B = 64, 128k), which is not the kernel being compared."""
     global _FLEX
     if _FLEX is None:
+        for limit in ("recompile_limit", "cache_size_limit"):  # the name since torch 2.6, and the older one
+            if hasattr(torch._dynamo.config, limit):
+                setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))
         _FLEX = torch.compile(flex_attention, dynamic=False)
     return _FLEX
 

@@ -214,7 +214,7 @@ def attention_forward(call: PreparedCall) -> tuple[torch.Tensor, torch.Tensor]:
             try:
                 attention_forward_hopper(
                     q, k, v, o, lse, call.scale, call.causal, modifiers,
-                    cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                    cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.persistent,
                 )  # fmt: skip
                 return
             except CompilationError as error:  # Gluon's API drifted (frontend error): the Triton kernel's tiles serve

@@ -28,10 +28,19 @@ its bytes have landed.  Two arrangements, by the number of warpgroups per Q bloc
   CTA-wide barriers per iteration (fp16, N = 2k and 8k), and 1.15-1.29x faster than the best 64-row tile (fp16 and
   bf16; docs/design.md).
 
+The warp-specialised block also runs persistent (a ``persistent`` config): one program per SM takes the Q blocks
+``program_id + k * num_programs`` in turn, the rings' slot numbers running on across blocks.  Its producer loads a
+block's first K/V tile before that block's Q rows, and the Q rows only once the warpgroup has stored the previous
+block's O through them (a ``q_empty`` barrier), so the copies of one block overlap the epilogue of the last.  At
+N <= 2k a block has 1-16 K/V tiles, and the prologue and epilogue of a block per program weigh there.
+
 Scope (``KernelVariant.FORWARD.gluon_scope`` in ``launch.py`` says why a call runs ``forward.py``'s kernel
-instead): an sm_90 GPU, float16/bfloat16, head dims 64 and 128, no ``seqlens_k`` (TMA zero-fills past Nk only: V
-rows past ``seqlens_k[b]`` may hold NaN, and ``0 * NaN`` would reach ``P V``), ``Dv == D``, a positive scale, and
-q/k/v that a TMA descriptor can address.
+instead): an sm_90 GPU, float16/bfloat16, the (D, Dv) pairs the scope lists (64/64, 128/128), no ``seqlens_k``
+(TMA zero-fills past Nk only: V rows past ``seqlens_k[b]`` may hold NaN, and ``0 * NaN`` would reach ``P V``), a
+positive scale, and q/k/v that a TMA descriptor can address.  The kernel itself also takes a head dim that is the
+sum of two powers of two (192 = 128 + 64: Gluon tiles have power-of-two shapes, so Q and K come in two column parts
+and ``S = Q K^T`` is two chained products) with a power-of-two Dv (DeepSeek's 192/128);
+``tests/test_gpu_score_modifiers.py`` checks it on the GPU, and the scope lists such a pair once that test has run.
 Causal masks, windows (the loop starts at the window's first tile: blocks outside the band are never loaded), the
 soft cap, ALiBi, any Nq and Nk, and grouped-query heads are handled.  Results are the same online softmax as
 ``forward.py`` (not bitwise: the products are summed in another order).
@@ -50,8 +59,10 @@ from .gluon_hopper import (
     fence_async_shared,
     gl,
     gluon,
+    head_dim_parts,
     mbarrier,
     ring_load,
+    ring_load_pair,
     ring_wait,
     tile_descriptor,
     tma,
@@ -59,6 +70,7 @@ from .gluon_hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from .launch import sm_count
 
 # The kernel's own warps (the first warpgroup); a second warpgroup and the producer warp join as worker partitions.
 KERNEL_WARPS = 4
@@ -120,32 +132,57 @@ if gluon is not None:
         return p_op, alpha, m_new, l_i
 
     @gluon.jit
+    def _load_qk(desc, desc2, bars, ring, ring2, index, batch, head, row, pred,
+                 NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
+        """A Q or K tile into slot ``index % NUM_STAGES``: one TMA box, or (SPLIT) its two column parts."""
+        if SPLIT:
+            ring_load_pair(desc, desc2, bars, ring, ring2, index, batch, head, row, pred, NUM_STAGES)
+        else:
+            ring_load(desc, bars, ring, index, batch, head, row, pred, NUM_STAGES)
+
+    @gluon.jit
+    def _issue_scores(q_tile, q2_tile, k_ready, k_ring, k2_ring, index, s,
+                      BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
+                      NUM_STAGES: gl.constexpr):  # fmt: skip
+        """Wait for K tile ``index`` and issue ``S = Q K^T`` into ``s`` (its old value ignored), asynchronously; with a
+        second column part (BLOCK_D2 > 0) as two products, the second accumulating onto the first."""
+        k_tile = ring_wait(k_ready, k_ring, index, BLOCK_N, BLOCK_D, NUM_STAGES)
+        s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s, use_acc=False, is_async=True)
+        if BLOCK_D2 > 0:
+            k2_tile = k2_ring.index(index % NUM_STAGES).reshape([BLOCK_N, BLOCK_D2])  # same barrier as k_tile
+            s = warpgroup_mma(q2_tile, k2_tile.permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
     def _attend_rows(
-        k_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
-        WARPGROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, CAUSAL: gl.constexpr,
-        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr, INLINE_LOADS: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-        WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+        k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
+        WARPGROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
+        BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        INLINE_LOADS: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+        ALIBI: gl.constexpr,
     ):  # fmt: skip
         """o and lse of the 64 rows of warpgroup ``WARPGROUP`` of the Q block (4 warps; the loop of the module
         docstring).  INLINE_LOADS: this warpgroup refills the K/V slots itself (the whole block is one warpgroup);
         else it releases each slot to the producer warp with an arrive on the slot's "empty" mbarrier.
 
         Tile ``j`` holds keys ``first_key + j * BLOCK_N ..``; tiles ``j < left_tiles`` (cut by the window's left
-        edge) and ``j >= unmasked_tiles`` (the diagonal, the right edge, Nk) take the mask, the others none.
+        edge) and ``j >= unmasked_tiles`` (the diagonal, the right edge, Nk) take the mask, the others none.  It is
+        number ``kv_base + j`` of the K/V rings (a persistent program's earlier Q blocks used the numbers before), and
+        the Q rows arrive in phase ``q_phase`` of their barrier.
         ``modifiers = (window_left, window_right, cap_in, cap_out, slope2)``, each read only under its flag; with the
         soft cap or ALiBi the scores are scaled and modified before the mask, and the softmax takes them as they are.
         """
-        q_smem, k_ring, v_ring = smem
+        q_smem, q2_smem, k_ring, k2_ring, v_ring, o_smem = smem
         q_bars, k_ready, v_ready, k_empty, v_empty = bars
         (bh, batch, head, kv_head, start_m, seqlen_q, seqlen_k,
-         first_key, left_tiles, unmasked_tiles, n_tiles, qk_scale) = scalars  # fmt: skip
+         first_key, left_tiles, unmasked_tiles, n_tiles, qk_scale, q_phase, kv_base) = scalars  # fmt: skip
         window_left, window_right, cap_in, cap_out, slope2 = modifiers
         MODIFIED: gl.constexpr = SOFTCAP or ALIBI
         ROWS: gl.constexpr = q_smem.type.shape[3]
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
         # Accumulator layouts of the two products (one warpgroup: a thread holds 2 of the 64 rows).
         s_layout: gl.constexpr = accumulator_layout(4, BLOCK_N)
-        o_layout: gl.constexpr = accumulator_layout(4, BLOCK_D)
+        o_layout: gl.constexpr = accumulator_layout(4, BLOCK_DV)
         # P goes from the S accumulator's registers straight into P V as its register operand (no shared memory).
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -157,16 +194,19 @@ if gluon is not None:
         rows = start_m + gl.arange(0, ROWS, s_rows)
         local_keys = gl.arange(0, BLOCK_N, s_cols)
         q_rows = q_smem.index(WARPGROUP)
-        mbarrier.wait(q_bars.index(WARPGROUP), 0)
+        mbarrier.wait(q_bars.index(WARPGROUP), q_phase)
         q_tile = q_rows.reshape([ROWS, BLOCK_D])
+        if BLOCK_D2 > 0:
+            q2_tile = q2_smem.index(WARPGROUP).reshape([ROWS, BLOCK_D2])
+        else:
+            q2_tile = q_tile  # not read
 
         # Tile 0: nothing to overlap with yet.
-        k_tile = ring_wait(k_ready, k_ring, 0, BLOCK_N, BLOCK_D, NUM_STAGES)
         s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-        s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s, use_acc=False, is_async=True)
+        s = _issue_scores(q_tile, q2_tile, k_ready, k_ring, k2_ring, kv_base, s, BLOCK_N, BLOCK_D, BLOCK_D2, NUM_STAGES)
         s = warpgroup_mma_wait(0, deps=(s,))
         if not INLINE_LOADS:
-            mbarrier.arrive(k_empty.index(0))
+            mbarrier.arrive(k_empty.index(kv_base % NUM_STAGES))
         keys = first_key + local_keys
         step_scale = qk_scale
         if MODIFIED:
@@ -179,7 +219,7 @@ if gluon is not None:
         m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([ROWS], gl.float32, s_rows)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, step_scale, DTYPE, p_layout)
-        acc = gl.zeros([ROWS, BLOCK_D], gl.float32, o_layout)
+        acc = gl.zeros([ROWS, BLOCK_DV], gl.float32, o_layout)
 
         for j in range(1, n_tiles):
             if INLINE_LOADS:
@@ -188,23 +228,25 @@ if gluon is not None:
                 cta_barrier()
                 k_next = j + NUM_STAGES - 1
                 v_next = j + NUM_STAGES - 2
-                ring_load(k_desc, k_ready, k_ring, k_next, batch, kv_head, first_key + k_next * BLOCK_N,
-                          k_next < n_tiles, NUM_STAGES)  # fmt: skip
+                _load_qk(k_desc, k2_desc, k_ready, k_ring, k2_ring, k_next, batch, kv_head,
+                         first_key + k_next * BLOCK_N, k_next < n_tiles, NUM_STAGES, BLOCK_D2 > 0)  # fmt: skip
                 ring_load(v_desc, v_ready, v_ring, v_next, batch, kv_head, first_key + v_next * BLOCK_N,
                           v_next < n_tiles, NUM_STAGES)  # fmt: skip
 
-            k_tile = ring_wait(k_ready, k_ring, j, BLOCK_N, BLOCK_D, NUM_STAGES)
             # The last S tile's registers serve as the (ignored) accumulator input: no zero tile per iteration.
-            s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s, use_acc=False, is_async=True)
+            s = _issue_scores(
+                q_tile, q2_tile, k_ready, k_ring, k2_ring, kv_base + j, s, BLOCK_N, BLOCK_D, BLOCK_D2, NUM_STAGES
+            )
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            v_tile = ring_wait(v_ready, v_ring, j - 1, BLOCK_N, BLOCK_D, NUM_STAGES)
+            v_tile = ring_wait(v_ready, v_ring, kv_base + j - 1, BLOCK_N, BLOCK_DV, NUM_STAGES)
             acc = warpgroup_mma(p, v_tile, acc, is_async=True)
-            # wgmma groups complete in order: one outstanding means S_j is done and P_{j-1} V_{j-1} may still run.
+            # wgmma groups complete in order: one outstanding means S_j (both parts) is done and P_{j-1} V_{j-1} may
+            # still run.
             s = warpgroup_mma_wait(1, deps=(s,))
             if not INLINE_LOADS:
                 # A wgmma is one operation of the whole warpgroup: once it is complete in this thread, it has read
                 # its shared memory for all four warps, so one arrive per warpgroup frees the slot.
-                mbarrier.arrive(k_empty.index(j % NUM_STAGES))
+                mbarrier.arrive(k_empty.index((kv_base + j) % NUM_STAGES))
             keys = first_key + j * BLOCK_N + local_keys
             if MODIFIED:
                 s = _modified_scores(s, rows, keys, diagonal_offset, qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI)
@@ -217,81 +259,86 @@ if gluon is not None:
             # P_{j-1} stays alive (the product reads it from registers) until this wait.
             acc, p = warpgroup_mma_wait(0, deps=(acc, p))
             if not INLINE_LOADS:
-                mbarrier.arrive(v_empty.index((j - 1) % NUM_STAGES))
+                mbarrier.arrive(v_empty.index((kv_base + j - 1) % NUM_STAGES))
             p = p_next
 
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        v_tile = ring_wait(v_ready, v_ring, n_tiles - 1, BLOCK_N, BLOCK_D, NUM_STAGES)
+        v_tile = ring_wait(v_ready, v_ring, kv_base + n_tiles - 1, BLOCK_N, BLOCK_DV, NUM_STAGES)
         acc = warpgroup_mma(p, v_tile, acc, is_async=True)
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+        if not INLINE_LOADS:
+            # The last V slot too: a persistent producer refills it for its next Q block.
+            mbarrier.arrive(v_empty.index((kv_base + n_tiles - 1) % NUM_STAGES))
 
         # Rows with no visible key: l = 0, acc = 0, m = -inf -> o = 0, lse = -inf (no NaN).
         empty = l_i == 0.0
         l_safe = gl.where(empty, 1.0, l_i)
         lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
         o_tile = acc * gl.convert_layout(1.0 / l_safe, o_rows)[:, None]
-        # O leaves through this warpgroup's Q rows in shared memory and one TMA store (rows past Nq are dropped by the
-        # copy engine).
+        # O leaves through shared memory (this warpgroup's Q rows when Dv = D, which the products no longer read) and
+        # one TMA store (rows past Nq are dropped by the copy engine).
+        o_slot = o_smem.index(WARPGROUP)
         cta_barrier()  # every warp is past the waits of the products that read Q
-        q_tile.store(o_tile.to(DTYPE))
+        o_slot.reshape([ROWS, BLOCK_DV]).store(o_tile.to(DTYPE))
         fence_async_shared()
         cta_barrier()
-        tma_store(o_desc, [batch, head, start_m, 0], q_rows)
+        tma_store(o_desc, [batch, head, start_m, 0], o_slot)
         gl.store(lse_ptr + bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
         tma.store_wait(0)
 
     @gluon.jit
     def _load_tiles(
-        q_desc, k_desc, v_desc, smem, bars, batch, head, kv_head, start_m, first_key, n_tiles,
-        BLOCK_N: gl.constexpr, NUM_WARPGROUPS: gl.constexpr, NUM_STAGES: gl.constexpr,
+        q_desc, k_desc, q2_desc, k2_desc, v_desc, smem, bars, q_empty, batch, head, kv_head, start_m, first_key,
+        n_tiles, kv_base, q_round,
+        BLOCK_N: gl.constexpr, BLOCK_D2: gl.constexpr, NUM_WARPGROUPS: gl.constexpr, NUM_STAGES: gl.constexpr,
+        PERSISTENT: gl.constexpr,
     ):  # fmt: skip
-        """The producer warp of the warp-specialised block: each warpgroup's Q rows, then K and V tile ``i`` into slot
-        ``i % NUM_STAGES`` as soon as every warpgroup has released the slot's previous tile."""
-        q_smem, k_ring, v_ring = smem
+        """The producer warp of the warp-specialised block: each warpgroup's Q rows, then K and V tile ``i`` (ring
+        number ``kv_base + i``) into its slot as soon as every warpgroup has released the slot's previous tile.
+
+        PERSISTENT (Q block number ``q_round`` of this program): the Q rows of a warpgroup wait until it has stored
+        the previous block's O through them (``q_empty``), and they are loaded after the first K/V tile, so that
+        this tile's copy overlaps the previous block's epilogue."""
+        q_smem, q2_smem, k_ring, k2_ring, v_ring, _ = smem
         q_bars, k_ready, v_ready, k_empty, v_empty = bars
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
-        for w in gl.static_range(NUM_WARPGROUPS):
-            ring_load(q_desc, q_bars, q_smem, w, batch, head, start_m + w * ROWS, True, NUM_WARPGROUPS)
+        if not PERSISTENT:
+            for w in gl.static_range(NUM_WARPGROUPS):
+                _load_qk(q_desc, q2_desc, q_bars, q_smem, q2_smem, w, batch, head, start_m + w * ROWS, True,
+                         NUM_WARPGROUPS, BLOCK_D2 > 0)  # fmt: skip
         for i in range(n_tiles):
-            slot = i % NUM_STAGES
+            index = kv_base + i
+            slot = index % NUM_STAGES
             # An mbarrier starts as if its phase "-1" had completed, so the waits of the first round pass at once.
-            free_phase = ((i // NUM_STAGES) & 1) ^ 1
+            free_phase = ((index // NUM_STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(slot), free_phase)
-            ring_load(k_desc, k_ready, k_ring, i, batch, kv_head, first_key + i * BLOCK_N, True, NUM_STAGES)
+            _load_qk(k_desc, k2_desc, k_ready, k_ring, k2_ring, index, batch, kv_head, first_key + i * BLOCK_N, True,
+                     NUM_STAGES, BLOCK_D2 > 0)  # fmt: skip
             mbarrier.wait(v_empty.index(slot), free_phase)
-            ring_load(v_desc, v_ready, v_ring, i, batch, kv_head, first_key + i * BLOCK_N, True, NUM_STAGES)
+            ring_load(v_desc, v_ready, v_ring, index, batch, kv_head, first_key + i * BLOCK_N, True, NUM_STAGES)
+            if PERSISTENT:  # noqa: SIM102 - a compile-time branch around a runtime one
+                if i == 0:
+                    for w in gl.static_range(NUM_WARPGROUPS):
+                        mbarrier.wait(q_empty.index(w), (q_round & 1) ^ 1)
+                        _load_qk(q_desc, q2_desc, q_bars, q_smem, q2_smem, w, batch, head, start_m + w * ROWS, True,
+                                 NUM_WARPGROUPS, BLOCK_D2 > 0)  # fmt: skip
 
-    @gluon.jit(do_not_specialize=[
-        "num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks", "window_left", "window_right",
-        "stride_alibi_b", "stride_alibi_h",
-    ])  # fmt: skip
-    def attention_forward_hopper_kernel(
-        q_desc, k_desc, v_desc, o_desc, lse_ptr,
-        num_heads, group_size, seqlen_q, seqlen_k, num_m_blocks, qk_scale,
-        window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h,
-        BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, CAUSAL: gl.constexpr, NUM_WARPGROUPS: gl.constexpr,
-        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-        SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+    @gluon.jit
+    def _q_block(
+        tile, problem, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+        WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, ALIBI: gl.constexpr,
     ):  # fmt: skip
-        """o, lse of one Q block of NUM_WARPGROUPS * 64 rows of one (batch, head); grid: 1-d, num_m_blocks * B * H
-        programs (as ``forward.py``); launched with 4 warps (the first warpgroup; the warp-specialised block adds
-        the second warpgroup and the producer warp as worker partitions).
+        """Q block ``tile`` of the grid (``q_block_program``'s numbering) -> ``(bh, batch, head, kv_head, start_m,
+        start, left_tiles, unmasked_tiles, n_tiles, slope2)``.
 
-        Descriptors are 4-d over ``[B, H, N, D]``, with ``[1, 1, 64, D]`` boxes for q/o and ``[1, 1, BLOCK_N, D]``
-        for k/v: a box past N reads zeros and a store past Nq is dropped, so the tails need no predicates.
-        """
-        DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
-        ROWS: gl.constexpr = q_desc.block_type.shape[2]
-        gl.static_assert(ROWS == 64, "q/o boxes of one warpgroup's 64 rows")
-        BLOCK_M: gl.constexpr = ROWS * NUM_WARPGROUPS
-        pid = gl.program_id(0)
-        bh, m_block, batch, head, kv_head = q_block_program(pid, num_m_blocks, num_heads, group_size, CAUSAL)
+        Key ranges (kv_loop_bounds, as in forward.py): the loop runs over the tiles of [start, end), and
+        [unmasked_start, unmasked_end) needs no mask; tiles outside [start, end) are hidden from every real row and
+        never loaded.  At least one tile runs (fully masked when no row sees a key), so that the loop needs no
+        special case: it leaves m = -inf, l = 0 in such rows."""
+        (num_m_blocks, num_heads, group_size, seqlen_q, seqlen_k, window_left, window_right,
+         alibi_ptr, stride_alibi_b, stride_alibi_h) = problem  # fmt: skip
+        bh, m_block, batch, head, kv_head = q_block_program(tile, num_m_blocks, num_heads, group_size, CAUSAL)
         start_m = m_block * BLOCK_M
-
-        # Key ranges (kv_loop_bounds, as in forward.py): the loop runs over the tiles of [start, end), and
-        # [unmasked_start, unmasked_end) needs no mask; tiles outside [start, end) are hidden from every real row and
-        # never loaded.  At least one tile runs (fully masked when no row sees a key), so that the loop needs no
-        # special case: it leaves m = -inf, l = 0 in such rows.
         start, unmasked_start, unmasked_end, end = kv_loop_bounds(
             start_m, seqlen_q, seqlen_k, seqlen_k, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
             BLOCK_M, BLOCK_N,
@@ -304,17 +351,113 @@ if gluon is not None:
             slope2 = slope * 1.4426950408889634
         else:
             slope2 = 0.0
+        return bh, batch, head, kv_head, start_m, start, left_tiles, unmasked_tiles, n_tiles, slope2
+
+    @gluon.jit
+    def _attend_blocks(
+        k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, q_empty, problem, num_tiles, qk_scale, cap_in, cap_out,
+        WARPGROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
+        BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+    ):  # fmt: skip
+        """A persistent program's warpgroup ``WARPGROUP``: its rows of Q blocks ``program_id, program_id +
+        num_programs, ..``, one after the other, each as ``_attend_rows``; after a block's O has left through the Q
+        rows, an arrive on ``q_empty`` lets the producer load the next block's."""
+        seqlen_q, seqlen_k, window_left, window_right = problem[3], problem[4], problem[5], problem[6]
+        kv_base = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            q_round = (tile - gl.program_id(0)) // gl.num_programs(0)
+            bh, batch, head, kv_head, start_m, start, left_tiles, unmasked_tiles, n_tiles, slope2 = _q_block(
+                tile, problem, 128, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, ALIBI
+            )
+            scalars = (bh, batch, head, kv_head, start_m, seqlen_q, seqlen_k, start, left_tiles, unmasked_tiles,
+                       n_tiles, qk_scale, q_round & 1, kv_base)  # fmt: skip
+            _attend_rows(k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars,
+                         (window_left, window_right, cap_in, cap_out, slope2),
+                         WARPGROUP, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16, False,
+                         WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI)  # fmt: skip
+            mbarrier.arrive(q_empty.index(WARPGROUP))
+            kv_base += n_tiles
+
+    @gluon.jit
+    def _load_blocks(
+        q_desc, k_desc, q2_desc, k2_desc, v_desc, smem, bars, q_empty, problem, num_tiles,
+        BLOCK_N: gl.constexpr, BLOCK_D2: gl.constexpr, NUM_WARPGROUPS: gl.constexpr, NUM_STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+    ):  # fmt: skip
+        """A persistent program's producer warp: the tiles of its Q blocks in the order its warpgroups use them."""
+        kv_base = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            q_round = (tile - gl.program_id(0)) // gl.num_programs(0)
+            _, batch, head, kv_head, start_m, start, _, _, n_tiles, _ = _q_block(
+                tile, problem, 128, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, False
+            )
+            _load_tiles(q_desc, k_desc, q2_desc, k2_desc, v_desc, smem, bars, q_empty, batch, head, kv_head,
+                        start_m, start, n_tiles, kv_base, q_round, BLOCK_N, BLOCK_D2, NUM_WARPGROUPS, NUM_STAGES,
+                        True)  # fmt: skip
+            kv_base += n_tiles
+
+    @gluon.jit(do_not_specialize=[
+        "num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks", "window_left", "window_right",
+        "stride_alibi_b", "stride_alibi_h", "num_tiles",
+    ])  # fmt: skip
+    def attention_forward_hopper_kernel(
+        q_desc, k_desc, q2_desc, k2_desc, v_desc, o_desc, lse_ptr,
+        num_heads, group_size, seqlen_q, seqlen_k, num_m_blocks, qk_scale,
+        window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h, num_tiles,
+        BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr,
+        CAUSAL: gl.constexpr, NUM_WARPGROUPS: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+        PERSISTENT: gl.constexpr,
+    ):  # fmt: skip
+        """o, lse of one Q block of NUM_WARPGROUPS * 64 rows of one (batch, head); grid: 1-d, ``num_tiles`` =
+        num_m_blocks * B * H programs (as ``forward.py``); launched with 4 warps (the first warpgroup; the
+        warp-specialised block adds the second warpgroup and the producer warp as worker partitions).  PERSISTENT
+        (warp-specialised blocks only): fewer programs, each running Q blocks ``program_id + k * num_programs`` in
+        turn, the K/V rings' slots and phases carried from one block to the next.
+
+        Descriptors are 4-d over ``[B, H, N, D]``, with ``[1, 1, 64, D]`` boxes for q/o and ``[1, 1, BLOCK_N, D]``
+        for k/v (v and o: ``Dv`` = BLOCK_DV for D): a box past N reads zeros and a store past Nq is dropped, so the
+        tails need no predicates.  Tiles have power-of-two widths, so a head dim such as 192 comes as two column
+        parts: q_desc/k_desc over columns ``[0, BLOCK_D)`` and q2_desc/k2_desc over the next BLOCK_D2 (0: no second
+        part; q2_desc/k2_desc are then q_desc/k_desc again, unread).
+        """
+        DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
+        ROWS: gl.constexpr = q_desc.block_type.shape[2]
+        gl.static_assert(ROWS == 64, "q/o boxes of one warpgroup's 64 rows")
+        BLOCK_M: gl.constexpr = ROWS * NUM_WARPGROUPS
+        problem = (num_m_blocks, num_heads, group_size, seqlen_q, seqlen_k, window_left, window_right,
+                   alibi_ptr, stride_alibi_b, stride_alibi_h)  # fmt: skip
+        bh, batch, head, kv_head, start_m, start, left_tiles, unmasked_tiles, n_tiles, slope2 = _q_block(
+            gl.program_id(0), problem, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, ALIBI
+        )
 
         q_smem = gl.allocate_shared_memory(DTYPE, [NUM_WARPGROUPS, 1, 1, ROWS, BLOCK_D], q_desc.layout)
         k_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
-        v_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], v_desc.layout)
+        if BLOCK_D2 > 0:
+            q2_smem = gl.allocate_shared_memory(DTYPE, [NUM_WARPGROUPS, 1, 1, ROWS, BLOCK_D2], q2_desc.layout)
+            k2_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D2], k2_desc.layout)
+        else:
+            q2_smem = q_smem
+            k2_ring = k_ring
+        v_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_DV], v_desc.layout)
+        if BLOCK_DV == BLOCK_D:
+            o_smem = q_smem  # O leaves through the Q rows
+        else:
+            o_smem = gl.allocate_shared_memory(DTYPE, [NUM_WARPGROUPS, 1, 1, ROWS, BLOCK_DV], o_desc.layout)
         q_bars = gl.allocate_shared_memory(gl.int64, [NUM_WARPGROUPS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        if PERSISTENT:
+            q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WARPGROUPS, 1], mbarrier.MBarrierLayout())
+        else:
+            q_empty = q_bars  # not used
         for w in gl.static_range(NUM_WARPGROUPS):
             mbarrier.init(q_bars.index(w), count=1)
+            if PERSISTENT:
+                mbarrier.init(q_empty.index(w), count=1)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
@@ -322,7 +465,7 @@ if gluon is not None:
             mbarrier.init(v_empty.index(i), count=NUM_WARPGROUPS)
         fence_async_shared()
 
-        smem = (q_smem, k_ring, v_ring)
+        smem = (q_smem, q2_smem, k_ring, k2_ring, v_ring, o_smem)
         bars = (q_bars, k_ready, v_ready, k_empty, v_empty)
         scalars = (
             bh,
@@ -337,19 +480,39 @@ if gluon is not None:
             unmasked_tiles,
             n_tiles,
             qk_scale,
+            0,  # q_phase
+            0,  # kv_base
         )
         modifiers = (window_left, window_right, cap_in, cap_out, slope2)
         if NUM_WARPGROUPS == 1:
             # Prologue loads: Q, K tiles 0 .. NUM_STAGES-1, V tiles 0 .. NUM_STAGES-2 (V slot NUM_STAGES-1 is filled
             # at the top of iteration 1, when the refill schedule of _attend_rows takes over).
-            ring_load(q_desc, q_bars, q_smem, 0, batch, head, start_m, True, 1)
+            _load_qk(q_desc, q2_desc, q_bars, q_smem, q2_smem, 0, batch, head, start_m, True, 1, BLOCK_D2 > 0)
             for i in gl.static_range(NUM_STAGES):
-                ring_load(k_desc, k_ready, k_ring, i, batch, kv_head, start + i * BLOCK_N, i < n_tiles, NUM_STAGES)
+                _load_qk(k_desc, k2_desc, k_ready, k_ring, k2_ring, i, batch, kv_head, start + i * BLOCK_N, i < n_tiles,
+                         NUM_STAGES, BLOCK_D2 > 0)  # fmt: skip
             for i in gl.static_range(NUM_STAGES - 1):
                 ring_load(v_desc, v_ready, v_ring, i, batch, kv_head, start + i * BLOCK_N, i < n_tiles, NUM_STAGES)
-            _attend_rows(k_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
-                         0, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16, True,
+            _attend_rows(k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
+                         0, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16, True,
                          WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI)  # fmt: skip
+        elif PERSISTENT:
+            gl.static_assert(NUM_WARPGROUPS == 2, "persistent blocks are warp-specialised")
+            gl.warp_specialize(
+                [
+                    (_attend_blocks, (k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, q_empty, problem,
+                                      num_tiles, qk_scale, cap_in, cap_out, 0, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV,
+                                      CAUSAL, NUM_STAGES, IS_FP16, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI)),
+                    (_attend_blocks, (k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, q_empty, problem,
+                                      num_tiles, qk_scale, cap_in, cap_out, 1, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV,
+                                      CAUSAL, NUM_STAGES, IS_FP16, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI)),
+                    (_load_blocks, (q_desc, k_desc, q2_desc, k2_desc, v_desc, smem, bars, q_empty, problem, num_tiles,
+                                    BLOCK_N, BLOCK_D2, NUM_WARPGROUPS, NUM_STAGES, CAUSAL, WINDOW_LEFT,
+                                    WINDOW_RIGHT)),
+                ],
+                [4, 1],
+                [232, 24],
+            )  # fmt: skip
         else:
             gl.static_assert(NUM_WARPGROUPS == 2, "one or two warpgroups per Q block")
             # Constexpr arguments go to the partitions as literals: a constexpr held in a variable would reach a
@@ -357,14 +520,15 @@ if gluon is not None:
             # applies only where the kernel sets maxnreg; ptxas gives every thread 168 (65536 / 384 threads).
             gl.warp_specialize(
                 [
-                    (_attend_rows, (k_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
-                                    0, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16, False,
+                    (_attend_rows, (k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
+                                    0, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16, False,
                                     WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI)),
-                    (_attend_rows, (k_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
-                                    1, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16, False,
+                    (_attend_rows, (k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
+                                    1, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16, False,
                                     WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI)),
-                    (_load_tiles, (q_desc, k_desc, v_desc, smem, bars, batch, head, kv_head, start_m, start, n_tiles,
-                                   BLOCK_N, NUM_WARPGROUPS, NUM_STAGES)),
+                    (_load_tiles, (q_desc, k_desc, q2_desc, k2_desc, v_desc, smem, bars, q_empty, batch, head, kv_head,
+                                   start_m, start, n_tiles, 0, 0, BLOCK_N, BLOCK_D2, NUM_WARPGROUPS, NUM_STAGES,
+                                   False)),
                 ],
                 [4, 1],
                 [232, 24],
@@ -372,6 +536,8 @@ if gluon is not None:
 
         for w in gl.static_range(NUM_WARPGROUPS):
             mbarrier.invalidate(q_bars.index(w))
+            if PERSISTENT:
+                mbarrier.invalidate(q_empty.index(w))
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(k_ready.index(i))
             mbarrier.invalidate(v_ready.index(i))
@@ -392,12 +558,16 @@ def attention_forward_hopper(
     block_n: int = 128,
     num_warps: int = 8,
     num_stages: int = 2,
+    persistent: bool = False,
 ) -> None:
-    """Write ``o`` ``[B, H, Nq, D]`` (contiguous, dtype of q) and ``lse`` ``[B, H, Nq]`` float32 of one call.
+    """Write ``o`` ``[B, H, Nq, Dv]`` (contiguous, dtype of q) and ``lse`` ``[B, H, Nq]`` float32 of one call.
 
-    ``q`` ``[B, H, Nq, D]``, ``k``/``v`` ``[B, Hkv, Nk, D]``, in the scope that
+    ``q`` ``[B, H, Nq, D]``, ``k`` ``[B, Hkv, Nk, D]``, ``v`` ``[B, Hkv, Nk, Dv]`` (D: a power of two or the sum of
+    two, ``head_dim_parts``; Dv: a power of two), in the scope that
     ``KernelVariant.FORWARD.gluon_scope`` (``launch.py``) checks.  ``block_m`` = 64 (one warpgroup, ``num_warps`` = 4)
-    or 128 (two warpgroups, ``num_warps`` = 8, warp-specialised with a producer warp).
+    or 128 (two warpgroups, ``num_warps`` = 8, warp-specialised with a producer warp).  ``persistent`` (128 rows):
+    one program per SM (fewer where there are fewer Q blocks) runs the Q blocks in turn, each block's first K/V tile
+    loading under the previous one's epilogue.
     """
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -407,12 +577,29 @@ def attention_forward_hopper(
             "block_m = 64 or 128"
         )
 
+    Dv = v.shape[-1]
+    d_first, d_second = head_dim_parts(D)  # ValueError for a head dim no tile pair holds
+    if Dv & (Dv - 1) or Dv < 16:
+        raise ValueError(f"Dv={Dv}: the Gluon forward's V and O tiles hold a power of two >= 16 columns")
+    if d_second:
+        # The column parts of q and k as views (same strides, the second one's base d_first columns on), each with
+        # its own descriptor: the kernel's boxes start at column 0 of each.
+        q_desc, q2_desc = tile_descriptor(q[..., :d_first], 64), tile_descriptor(q[..., d_first:], 64)
+        k_desc, k2_desc = tile_descriptor(k[..., :d_first], block_n), tile_descriptor(k[..., d_first:], block_n)
+    else:
+        q_desc, k_desc = tile_descriptor(q, 64), tile_descriptor(k, block_n)
+        q2_desc, k2_desc = q_desc, k_desc  # not read
+    if persistent and block_m != 128:
+        raise ValueError(f"persistent runs the warp-specialised 128-row blocks, got block_m={block_m}")
     num_m_blocks = -(-Nq // block_m)
-    attention_forward_hopper_kernel[(num_m_blocks * B * H,)](
-        tile_descriptor(q, 64), tile_descriptor(k, block_n), tile_descriptor(v, block_n), tile_descriptor(o, 64), lse,
-        H, H // Hkv, Nq, Nk, num_m_blocks, scale * LOG2E, *modifiers.args[1:],
-        BLOCK_N=block_n, BLOCK_D=D, CAUSAL=causal, NUM_WARPGROUPS=block_m // 64, NUM_STAGES=num_stages,
-        IS_FP16=q.dtype == torch.float16, WINDOW_LEFT=modifiers.flags["WINDOW_LEFT"],
-        WINDOW_RIGHT=modifiers.flags["WINDOW_RIGHT"], SOFTCAP=modifiers.flags["SOFTCAP"] != 0,
-        ALIBI=modifiers.flags["ALIBI"], num_warps=KERNEL_WARPS,
+    num_tiles = num_m_blocks * B * H
+    programs = min(num_tiles, sm_count(q.device)) if persistent else num_tiles
+    attention_forward_hopper_kernel[(programs,)](
+        q_desc, k_desc, q2_desc, k2_desc, tile_descriptor(v, block_n), tile_descriptor(o, 64), lse,
+        H, H // Hkv, Nq, Nk, num_m_blocks, scale * LOG2E, *modifiers.args[1:], num_tiles,
+        BLOCK_N=block_n, BLOCK_D=d_first, BLOCK_D2=d_second, BLOCK_DV=Dv, CAUSAL=causal,
+        NUM_WARPGROUPS=block_m // 64, NUM_STAGES=num_stages, IS_FP16=q.dtype == torch.float16,
+        WINDOW_LEFT=modifiers.flags["WINDOW_LEFT"], WINDOW_RIGHT=modifiers.flags["WINDOW_RIGHT"],
+        SOFTCAP=modifiers.flags["SOFTCAP"] != 0, ALIBI=modifiers.flags["ALIBI"], PERSISTENT=persistent,
+        num_warps=KERNEL_WARPS,
     )  # fmt: skip

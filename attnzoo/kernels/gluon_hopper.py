@@ -44,16 +44,17 @@ except (ImportError, AttributeError):  # pragma: no cover - no usable Gluon Hopp
 
 __all__ = [
     "HOPPER_DTYPES",
-    "HOPPER_HEAD_DIMS",
     "accumulator_layout",
     "cta_barrier",
     "fence_async_shared",
     "gl",
     "gluon",
     "gluon_unavailable_reason",
+    "head_dim_parts",
     "mbarrier",
     "record_compile_failure",
     "ring_load",
+    "ring_load_pair",
     "ring_wait",
     "tile_descriptor",
     "tma",
@@ -64,7 +65,18 @@ __all__ = [
 ]
 
 HOPPER_DTYPES = (torch.float16, torch.bfloat16)
-HOPPER_HEAD_DIMS = (64, 128)
+
+
+def head_dim_parts(head_dim: int) -> tuple[int, int]:
+    """``head_dim`` as the widths of the column parts a Gluon tile holds it in: ``(head_dim, 0)`` for a power of two,
+    else the largest power of two below it and the rest (192 -> (128, 64)), since every Gluon tile (TMA boxes and
+    shared-memory buffers included) has power-of-two dims.  ValueError when the rest is not a power of two >= 16
+    (one ``wgmma`` K step)."""
+    first = 1 << (head_dim.bit_length() - 1)
+    second = head_dim - first
+    if second and (second < 16 or second & (second - 1)):
+        raise ValueError(f"head dim {head_dim} is not a power of two nor one plus a power of two >= 16")
+    return first, second
 
 
 if gluon is not None:
@@ -86,6 +98,16 @@ if gluon is not None:
         tma_load(desc, [batch, head, row, 0], bar, ring.index(slot), pred=pred)
 
     @gluon.jit
+    def ring_load_pair(desc, desc2, bars, ring, ring2, index, batch, head, row, pred, NUM_STAGES: gl.constexpr):
+        """``ring_load`` of a tile kept as two column parts (``desc``/``ring`` and ``desc2``/``ring2``: a head dim that
+        is not a power of two, 192 = 128 + 64), both completing one mbarrier."""
+        slot = index % NUM_STAGES
+        bar = bars.index(slot)
+        mbarrier.expect(bar, desc.block_type.nbytes + desc2.block_type.nbytes, pred=pred)
+        tma_load(desc, [batch, head, row, 0], bar, ring.index(slot), pred=pred)
+        tma_load(desc2, [batch, head, row, 0], bar, ring2.index(slot), pred=pred)
+
+    @gluon.jit
     def ring_wait(bars, ring, index, ROWS: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr):
         """Wait for the tile loaded as number ``index`` of the ring; returns its slot as a ``[ROWS, BLOCK_D]`` view.
 
@@ -95,7 +117,7 @@ if gluon is not None:
         return ring.index(slot).reshape([ROWS, BLOCK_D])
 
 else:  # pragma: no cover - see the import above
-    accumulator_layout = ring_load = ring_wait = None
+    accumulator_layout = ring_load = ring_load_pair = ring_wait = None
 
 
 _compile_failure: list[str] = []  # the first compilation error of a Gluon kernel in this process, if any

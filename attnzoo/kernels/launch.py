@@ -30,7 +30,7 @@ from .._env import new_output, triton_interpreter_active
 from ..validation import Problem
 from . import tuning
 from .common import LOG2E
-from .gluon_hopper import HOPPER_DTYPES, HOPPER_HEAD_DIMS, gluon_unavailable_reason
+from .gluon_hopper import HOPPER_DTYPES, gluon_unavailable_reason
 from .tuning import CANDIDATES, INTERPRETER_CONFIG, KernelConfig, head_dim_tile, seqlen_bucket
 
 # The longest tile side of any launch config: in-tile offsets (row * row stride + col * col stride) are int32.
@@ -417,19 +417,38 @@ def prepare(
     )
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a nominal 4 on the CPU, where the interpreter runs the kernels)."""
+    if device.type != "cuda":
+        return 4
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _cuda_sm_count(index: int) -> int:
+    count = _SM_COUNTS.get(index)
+    if count is None:  # torch's query costs host time per call: asked once per device
+        count = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
+
+
 @dataclass(frozen=True)
 class GluonScope:
     """Where a variant's Gluon Hopper kernel runs, declared once (as a backend's ``Capabilities``); elsewhere its
     ``gluon`` configs run the Triton kernel with the same tiles, and the tuner does not time them twice.
 
     Common to every Gluon kernel: an sm_90 NVIDIA GPU (not the interpreter, not ROCm), float16/bfloat16, the head
-    dims of ``HOPPER_HEAD_DIMS``, no ``seqlens_k`` (TMA zero-fills past Nk only: K/V rows past ``seqlens_k[b]``
+    dims of ``head_dims``, no ``seqlens_k`` (TMA zero-fills past Nk only: K/V rows past ``seqlens_k[b]``
     arrive as they are, and a NaN there makes P V or dP NaN even where P = 0), no debug build (no tile counters), and
     q, k, v (and ``extra_tma_operands``) addressable by TMA.
     """
 
     kernel_file: str
     needs_positive_scale: bool  # the kernel folds the scale into exp2's argument
+    # The (D, Dv) pairs the kernel has tiles for and a GPU test has checked against the oracle.
+    head_dims: tuple[tuple[int, int], ...] = ((64, 64), (128, 128))
     extra_tma_operands: tuple[str, ...] = ()  # names of the further tensors it loads by TMA, passed to the check
     # The score modifiers the kernel applies (SPEC.md); a call with another one runs the Triton kernel.
     window: bool = False
@@ -437,7 +456,7 @@ class GluonScope:
     alibi: bool = False
 
     def modifier_reasons(self, modifiers: ScoreModifiers) -> list[str]:
-        """The score modifiers (and Dv != D) of a call that the kernel does not apply."""
+        """The score modifiers of a call that the kernel does not apply."""
         reasons = []
         if (modifiers.window_left_bounded or modifiers.window_right_bounded) and not self.window:
             reasons.append("window: the kernel has no sliding-window bounds")
@@ -445,9 +464,14 @@ class GluonScope:
             reasons.append("softcap: the kernel has no soft cap")
         if modifiers.alibi and not self.alibi:
             reasons.append("alibi_slopes: the kernel has no ALiBi term")
-        if not modifiers.flags["DV_IS_D"]:
-            reasons.append("a value head dim Dv != D: the kernel's tiles share one head dim")
         return reasons
+
+    def head_dim_reasons(self, head_dim: int, head_dim_v: int) -> list[str]:
+        """Why the kernel does not take these head dims ([] when it does)."""
+        if (head_dim, head_dim_v) in self.head_dims:
+            return []
+        pairs = ", ".join(f"D={d} Dv={dv}" for d, dv in self.head_dims)
+        return [f"head dims D={head_dim} Dv={head_dim_v}: {pairs} only"]
 
     def not_supported_reasons(self, call: PreparedCall, extra: tuple[torch.Tensor, ...] = ()) -> list[str]:
         q = call.q
@@ -461,8 +485,7 @@ class GluonScope:
             reasons.append("wgmma needs an sm_90 (Hopper) GPU")
         if q.dtype not in HOPPER_DTYPES:
             reasons.append(f"dtype {q.dtype}: float16 and bfloat16 only")
-        if q.shape[-1] not in HOPPER_HEAD_DIMS:
-            reasons.append(f"head dim {q.shape[-1]}: {' and '.join(map(str, HOPPER_HEAD_DIMS))} only")
+        reasons.extend(self.head_dim_reasons(call.problem.head_dim, call.problem.head_dim_v))
         if call.has_seqlens:
             reasons.append("seqlens_k: the K/V rows past seqlens_k[b] may hold anything, and TMA cannot zero them")
         if call.varlen:
@@ -481,10 +504,16 @@ class GluonScope:
 
 
 _GLUON_SCOPES = {
-    # The Gluon forward's modifiers are checked against the oracle by
-    # tests/test_gpu_score_modifiers.py::test_gluon_forward_applies_each_modifier_it_implements.
+    # The Gluon forward's modifiers and its two-part head dim (192 = 128 + 64, DeepSeek's MLA with Dv = 128) are
+    # checked against the oracle by tests/test_gpu_score_modifiers.py::test_gluon_forward_applies_each_modifier_it_
+    # implements and ::test_gluon_forward_takes_a_head_dim_in_two_parts.
     KernelVariant.FORWARD: GluonScope(
-        "forward_gluon.py", needs_positive_scale=True, window=True, softcap=True, alibi=True
+        "forward_gluon.py",
+        needs_positive_scale=True,
+        head_dims=((64, 64), (128, 128), (192, 128)),
+        window=True,
+        softcap=True,
+        alibi=True,
     ),
     KernelVariant.DKDV: GluonScope("backward_gluon.py", needs_positive_scale=False, extra_tma_operands=("do",)),
 }
@@ -521,11 +550,15 @@ def run(
         seqlen_bucket(call.problem.seqlen_k),
         call.dot_precision,
         call.modifiers.key,
+        # The Gluon kernels' tiles hold the exact head dims (192 as 128 + 64), the Triton kernels' the tile BLOCK_D:
+        # where Gluon runs a head dim below its tile, the key says which, so that no other head dim takes its winner.
+        f"D={call.problem.head_dim}" if gluon_in_scope and call.problem.head_dim != call.block_d else "",
         q.device.index,
     )
 
     def configs_in_scope() -> list[KernelConfig]:
-        configs = tuning.candidates(variant.kernel, call.block_d, q.dtype, q.device)
+        head_dims = (call.problem.head_dim, call.problem.head_dim_v) if gluon_in_scope else None
+        configs = tuning.candidates(variant.kernel, call.block_d, q.dtype, q.device, head_dims, call.block_dv)
         # Configs that would launch as a twin of another candidate here are not tried twice: TMA ones without
         # descriptors (their pointer twin), Gluon ones outside its scope (the Triton kernel with the same tiles).
         if any(c.tma for c in configs) and not call.kv_descriptors:

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, as_int64, key_visible, modified_scores, online_softmax_step
-from .launch import ScoreModifiers, _placeholder, dot_precision, num_blocks
+from .launch import ScoreModifiers, _placeholder, dot_precision, num_blocks, sm_count
 from .tuning import head_dim_tile
 
 # Programs per SM the split count aims for: enough resident programs to keep each SM's loads in flight while
@@ -47,12 +47,22 @@ MAX_SPLITS = 256
 
 
 @triton.jit
-def _key_slots(keys, key_ok, batch, block_table_ptr, stride_bt_b, stride_bt_p, page_size, PAGED: tl.constexpr):
-    """Where keys ``keys`` of sequence ``batch`` live -> int64 ``(page, slot)``: PAGED, page
-    ``block_table[batch, t // page_size]`` and slot ``t % page_size`` of a cache ``[pages, Hkv, page_size, D]``; dense,
-    the batch as the page and the key as its slot of ``[B, Hkv, N, D]``.  Keys that are not ``key_ok`` (their loads
-    are masked) read no block-table entry."""
-    if PAGED:
+def _key_slots(
+    start_n, keys, key_ok, batch, block_table_ptr, stride_bt_b, stride_bt_p, page_size,
+    PAGED: tl.constexpr, PAGE_HOLDS_TILES: tl.constexpr,
+):  # fmt: skip
+    """Where keys ``keys`` (the tile from ``start_n``) of sequence ``batch`` live -> int64 ``(page, slot)``: PAGED,
+    page ``block_table[batch, t // page_size]`` and slot ``t % page_size`` of a cache ``[pages, Hkv, page_size, D]``;
+    dense, the batch as the page and the key as its slot of ``[B, Hkv, N, D]``.
+
+    PAGE_HOLDS_TILES (the page size a multiple of BLOCK_N): the tile lies in one page, whose entry is read once, as a
+    scalar, and its rows are consecutive slots; otherwise each key reads its own entry, and keys that are not
+    ``key_ok`` (their loads are masked) read none."""
+    if PAGED and PAGE_HOLDS_TILES:
+        page = tl.load(block_table_ptr + as_int64(batch) * stride_bt_b + (start_n // page_size) * stride_bt_p)
+        page = page.to(tl.int64)
+        slot = (start_n % page_size + (keys - start_n)).to(tl.int64)
+    elif PAGED:
         page = tl.load(
             block_table_ptr + as_int64(batch) * stride_bt_b + (keys // page_size) * stride_bt_p, mask=key_ok, other=0
         ).to(tl.int64)
@@ -91,8 +101,9 @@ def splitk_partial_kernel(
     head_dim_v, window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h,
     EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_DV: tl.constexpr, DV_IS_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_LENGTHS: tl.constexpr,
-    ALIGN_TO_LENGTH: tl.constexpr, PAGED: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ALIGN_TO_LENGTH: tl.constexpr, PAGED: tl.constexpr, PAGE_HOLDS_TILES: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, FINAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The attention of one tile of packed rows of one (batch, K/V head) over the keys of one split.
 
@@ -164,7 +175,9 @@ def splitk_partial_kernel(
         keys = start_n + tl.arange(0, BLOCK_N)
         # Keys past the length are never read: whatever the cache holds there (stale or NaN) stays out of P @ V.
         key_ok = keys < length
-        page, slot = _key_slots(keys, key_ok, batch, block_table_ptr, stride_bt_b, stride_bt_p, page_size, PAGED)
+        page, slot = _key_slots(
+            start_n, keys, key_ok, batch, block_table_ptr, stride_bt_b, stride_bt_p, page_size, PAGED, PAGE_HOLDS_TILES
+        )
         k_rows = page * stride_kp + slot * stride_ks
         k_tile = tl.load(
             k_head + k_rows[:, None] + cols[None, :] * stride_kd,
@@ -252,23 +265,6 @@ def choose_num_splits(programs: int, capacity: int, sm_count: int) -> int:
     return max(1, min(wanted, longest, MAX_SPLITS))
 
 
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (a nominal 4 on the CPU, where the interpreter runs the kernels)."""
-    if device.type != "cuda":
-        return 4
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-_SM_COUNTS: dict[int, int] = {}
-
-
-def _cuda_sm_count(index: int) -> int:
-    count = _SM_COUNTS.get(index)
-    if count is None:  # torch's query costs host time per call: asked once per device
-        count = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return count
-
-
 def splitk_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -333,7 +329,8 @@ def splitk_attention(
         *q.stride(), *k.stride(), *v.stride(), *stride_bt, *o_strides, *lse_strides,
         Nq, capacity, Hkv, G, page_size, keys_per_split, problem.scale * LOG2E, D, *modifiers.args,
         EVEN_D=block_d == D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=problem.causal,
-        HAS_LENGTHS=lengths is not None, ALIGN_TO_LENGTH=align_to_length, PAGED=paged, FINAL=final,
+        HAS_LENGTHS=lengths is not None, ALIGN_TO_LENGTH=align_to_length, PAGED=paged,
+        PAGE_HOLDS_TILES=paged and page_size % block_n == 0, FINAL=final,
         DOT_PRECISION=dot_precision(problem.dtype), **modifiers.flags, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if not final:

@@ -46,7 +46,7 @@ import torch
 
 from .._env import autotune_requested, cache_dir
 
-_CONFIG_TEXT = re.compile(r"(\d+)x(\d+) w(\d+) s(\d+)((?: (?:tma|gluon))*)")
+_CONFIG_TEXT = re.compile(r"(\d+)x(\d+) w(\d+) s(\d+)((?: (?:tma|gluon|persistent))*)")
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,8 @@ class KernelConfig:
     TMA copy engine) where the inputs allow it (``launch.descriptor_loads_possible``), else through pointers.
     gluon (forward, dK/dV kernel): run the Gluon Hopper kernel (``forward_gluon.py``, ``backward_gluon.py``;
     NUM_STAGES = num_stages) where the call is in its scope (``KernelVariant.gluon_scope``), else the Triton kernel
-    with the same tiles.  ``str(cfg)`` reads ``"128x64 w8 s3 tma"``; :meth:`parse` reads it back.
+    with the same tiles.  persistent (with gluon, 128-row forward tiles): one program per SM runs Q blocks in turn.
+    ``str(cfg)`` reads ``"128x64 w8 s3 tma"``; :meth:`parse` reads it back.
     """
 
     block_m: int
@@ -66,9 +67,12 @@ class KernelConfig:
     num_stages: int
     tma: bool = False
     gluon: bool = False
+    persistent: bool = False
 
     def __str__(self) -> str:
-        flags = (" tma" if self.tma else "") + (" gluon" if self.gluon else "")
+        flags = (
+            (" tma" if self.tma else "") + (" gluon" if self.gluon else "") + (" persistent" if self.persistent else "")
+        )
         return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}{flags}"
 
     @classmethod
@@ -91,7 +95,17 @@ class KernelConfig:
                 raise ValueError(f"kernel config {text!r}: {name} must be a power of two, got {value}")
         if stages < 1:
             raise ValueError(f"kernel config {text!r}: stages must be at least 1, got {stages}")
-        return cls(block_m, block_n, warps, stages, tma="tma" in flags, gluon="gluon" in flags)
+        if "persistent" in flags and not ("gluon" in flags and block_m == 128):
+            raise ValueError(f"kernel config {text!r}: persistent is a flag of the 128-row gluon tiles")
+        return cls(
+            block_m,
+            block_n,
+            warps,
+            stages,
+            tma="tma" in flags,
+            gluon="gluon" in flags,
+            persistent="persistent" in flags,
+        )
 
 
 INTERPRETER_CONFIG = KernelConfig(16, 16, 1, 1)
@@ -120,6 +134,9 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         KernelConfig(64, 64, 4, 3, gluon=True),
         KernelConfig(128, 128, 8, 2, gluon=True),
         KernelConfig(128, 128, 8, 3, gluon=True),
+        # Persistent: one program per SM runs Q blocks in turn, the next block's first K/V tile loading under this
+        # one's epilogue (short sequences, where a block has 1-8 K/V tiles and its prologue and epilogue weigh).
+        KernelConfig(128, 128, 8, 2, gluon=True, persistent=True),
     ],
     # K/V-stationary dK/dV: BLOCK_N keys resident, BLOCK_M query rows streamed.
     # Order: measured fastest first at fp16 D=128 N=2048 on the H100 (docs/design.md).
@@ -132,6 +149,9 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         KernelConfig(64, 64, 4, 3),
         # D = 64: 4 warps over 128 resident keys, 14% faster than (32, 64) at fp16 N = 8192 (docs/design.md).
         KernelConfig(32, 128, 4, 3),
+        # BLOCK_D = 256 (D = 192 and 256): a dK/dV tile that ptxas compiles without spills there (252 registers,
+        # 103 KB of shared memory; 32 resident keys run mma.sync, not wgmma, whose M is 64 per warpgroup).
+        KernelConfig(64, 32, 8, 2),
         # The Gluon Hopper dK/dV kernel (softmax-gradient arithmetic overlapped with the products; BLOCK_N = 16 *
         # num_warps: one warpgroup per 64 resident keys). On the H100, fp16, the whole backward with 64 x 64 w4 s2
         # (two CTAs per SM) ran 1.02-1.07x the best Triton tile at D = 128 and 0.84-0.96x at D = 64; 64 x 128 w8 s2
@@ -160,19 +180,26 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         KernelConfig(64, 128, 8, 2),
         KernelConfig(128, 32, 8, 3),
         KernelConfig(32, 64, 4, 2),
+        # BLOCK_D = 256: the tile with the fewest spill bytes in ptxas (268 B; the others above that fit spill 3.8-6.5
+        # KB there).
+        KernelConfig(128, 32, 8, 2),
     ],
 }
 
 
-def shared_memory_estimate(kernel: str, cfg: KernelConfig, block_d: int, itemsize: int) -> int:
-    """Bytes of shared memory a config needs, roughly: resident tiles + num_stages buffers per streamed tile."""
+def shared_memory_estimate(
+    kernel: str, cfg: KernelConfig, block_d: int, itemsize: int, block_dv: int | None = None
+) -> int:
+    """Bytes of shared memory a config needs, roughly: resident tiles + num_stages buffers per streamed tile.
+    ``block_dv``: the tile width of v, o and do where it differs from ``block_d`` (Dv != D)."""
     m, n, s = cfg.block_m, cfg.block_n, cfg.num_stages
+    dv = block_dv or block_d
     if kernel == "forward":  # Q resident, K and V streamed.
-        return itemsize * block_d * (m + 2 * n * s)
+        return itemsize * (block_d * (m + n * s) + dv * n * s)
     if kernel == "dkdv":  # K, V resident; Q and dO streamed; P^T and dS^T staged for the dots.
-        return itemsize * (block_d * (2 * n + 2 * m * s) + 2 * m * n)
+        return itemsize * ((block_d + dv) * (n + m * s) + 2 * m * n)
     # dq, atomic: Q and dO resident; K and V streamed; dS (and P^T) staged for the dots.
-    return itemsize * (block_d * (2 * m + 2 * n * s) + 2 * m * n)
+    return itemsize * ((block_d + dv) * (m + n * s) + 2 * m * n)
 
 
 @functools.cache
@@ -187,16 +214,37 @@ def _shared_memory_limit(device: torch.device) -> int:
     return _shared_memory_limit_of(device.index or 0)
 
 
-def candidates(kernel: str, block_d: int, dtype: torch.dtype, device: torch.device) -> list[KernelConfig]:
-    """The configs of ``kernel`` that fit the device's shared memory (at least the smallest one)."""
+def candidates(
+    kernel: str,
+    block_d: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    gluon_head_dims: tuple[int, int] | None = None,
+    block_dv: int | None = None,
+) -> list[KernelConfig]:
+    """The configs of ``kernel`` that fit the device's shared memory (at least the smallest one).
+
+    ``block_dv``: the Triton kernels' tile of v, o and do where Dv != D.  ``gluon_head_dims``: ``(D, Dv)`` where
+    the call is in the Gluon kernel's scope: its tiles hold exactly D and Dv columns (192 as 128 + 64, not the Triton
+    kernels' power-of-two tile of 256), and its configs fit by those."""
     configs = CANDIDATES[kernel]
     limit = _shared_memory_limit(device)
     itemsize = dtype.itemsize
-    fitting = [c for c in configs if shared_memory_estimate(kernel, c, block_d, itemsize) <= limit]
+
+    def estimate(cfg: KernelConfig) -> int:
+        if cfg.gluon and gluon_head_dims is not None:
+            d, dv = gluon_head_dims
+            tiles = shared_memory_estimate(kernel, cfg, d, itemsize, dv)
+            if kernel == "forward" and dv != 1 << (d.bit_length() - 1):  # O leaves through rows of its own
+                tiles += itemsize * cfg.block_m * dv
+            return tiles
+        return shared_memory_estimate(kernel, cfg, block_d, itemsize, block_dv)
+
+    fitting = [c for c in configs if estimate(c) <= limit]
     if fitting:
         return fitting
     # Nothing fits by the estimate: keep the smallest and let the compiler decide.
-    return [min(configs, key=lambda c: shared_memory_estimate(kernel, c, block_d, itemsize))]
+    return [min(configs, key=estimate)]
 
 
 def _next_power_of_2(n: int) -> int:
@@ -410,7 +458,7 @@ def key_text(key: tuple) -> str:
 # memory, in the scope of Gluon/TMA) runs, else the first candidate.  Read off the H100 grids (bench/results/
 # h100_bench_{fp16,bf16}.log, mean time over the fastest across N = 1k..16k, causal or not): each list is the winner
 # of most keys, then the best config without Gluon, then without TMA, so that GPUs without them get a measured pick.
-# Keyed by (kernel, head-dim tile <= 64); larger tiles (128, 256) take the False entry.
+# Keyed by (kernel, head-dim tile <= 64); a 128 tile takes the False entry, a 256 tile WIDE_HEURISTIC_ORDER.
 HEURISTIC_ORDER: dict[tuple[str, bool], tuple[str, ...]] = {
     ("forward", True): ("64x128 w4 s2 gluon", "128x64 w8 s3 tma", "128x64 w8 s3", "64x64 w4 s3"),
     ("forward", False): ("128x128 w8 s2 gluon", "128x128 w8 s3", "64x64 w4 s3"),
@@ -423,10 +471,25 @@ HEURISTIC_ORDER: dict[tuple[str, bool], tuple[str, ...]] = {
 }
 
 
+# Tiles of 256 columns (D = 192 and 256).  The lists are timed at D = 192, Dv = 128 (bf16, N = 8k, full and causal,
+# bench/results/h100_d192_tuning.log): the Gluon forward; dQ 64x64 w4 s3 with TMA (the next, 128x32 w8 s3, took
+# 1.7-2.0x its time); dK/dV 32x128 w8 s3 (within 3% of the best in both masks; 64x32 w8 s2, the tile without spills,
+# took 1.9-2.3x).  ptxas counts spills in most of these tiles (bench/ptx_report.py), but its counts ranked them
+# wrongly.  Where Dv = 256 too, the shared memory drops the first entries; the later ones are ptxas's ranking (fewest
+# spill bytes), not timed.
+WIDE_HEURISTIC_ORDER: dict[str, tuple[str, ...]] = {
+    "forward": ("128x128 w8 s2 gluon", "128x64 w8 s3 tma", "64x32 w4 s2"),
+    "dkdv": ("32x128 w8 s3", "64x32 w8 s2"),
+    "dq": ("64x64 w4 s3 tma", "128x32 w8 s3", "64x32 w4 s2"),
+    "atomic": ("128x32 w8 s2",),
+}
+
+
 def heuristic_pick(variant: str, block_d: int, configs: list[KernelConfig]) -> KernelConfig:
     """The untimed choice among ``configs`` (the call's fitting, in-scope candidates): see ``HEURISTIC_ORDER``."""
     kernel = variant.split(":", 1)[0]
-    for text in HEURISTIC_ORDER.get((kernel, block_d <= 64), ()):
+    order = WIDE_HEURISTIC_ORDER.get(kernel, ()) if block_d >= 256 else HEURISTIC_ORDER.get((kernel, block_d <= 64), ())
+    for text in order:
         cfg = KernelConfig.parse(text)
         if cfg in configs:
             return cfg
