@@ -136,6 +136,7 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         KernelConfig(128, 128, 8, 3, gluon=True),
         # Persistent: one program per SM runs Q blocks in turn, the next block's first K/V tile loading under this
         # one's epilogue (short sequences, where a block has 1-8 K/V tiles and its prologue and epilogue weigh).
+        # On the H100 it won fp16 D=128 1k full (+2-4%) and D=192 full (+3%), and lost elsewhere (docs/design.md).
         KernelConfig(128, 128, 8, 2, gluon=True, persistent=True),
     ],
     # K/V-stationary dK/dV: BLOCK_N keys resident, BLOCK_M query rows streamed.
@@ -150,7 +151,8 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         # D = 64: 4 warps over 128 resident keys, 14% faster than (32, 64) at fp16 N = 8192 (docs/design.md).
         KernelConfig(32, 128, 4, 3),
         # BLOCK_D = 256 (D = 192 and 256): a dK/dV tile that ptxas compiles without spills there (252 registers,
-        # 103 KB of shared memory; 32 resident keys run mma.sync, not wgmma, whose M is 64 per warpgroup).
+        # 103 KB of shared memory; 32 resident keys run mma.sync, not wgmma, whose M is 64 per warpgroup).  It fits
+        # Dv = 256; at Dv = 128 it took 1.9-2.3x the time of 32x128 w8 s3, which spills (WIDE_HEURISTIC_ORDER).
         KernelConfig(64, 32, 8, 2),
         # The Gluon Hopper dK/dV kernel (softmax-gradient arithmetic overlapped with the products; BLOCK_N = 16 *
         # num_warps: one warpgroup per 64 resident keys). On the H100, fp16, the whole backward with 64 x 64 w4 s2
