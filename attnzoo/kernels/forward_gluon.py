@@ -98,11 +98,18 @@ if gluon is not None:
 
     @gluon.jit
     def _modified_scores(
-        s, rows, keys, diagonal_offset, qk_scale, cap_in, cap_out, slope2,
-        SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+        s, rows, keys, diagonal_offset, alibi_cols, qk_scale, cap_in, cap_out, slope2,
+        CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
     ):  # fmt: skip
         """The base-2 scores of a raw tile with the soft cap and ALiBi (``common.modified_scores``' math; the soft cap
-        always in the hardware's ``tanh.approx.f32``, the form the Triton kernels use for float16/bfloat16)."""
+        always in the hardware's ``tanh.approx.f32``, the form the Triton kernels use for float16/bfloat16).
+
+        ALiBi with a causal mask: every visible key j is at or left of its row's position i', so
+        ``-slope (i' - j) = slope (j - r0) - slope (i' - r0)`` with r0 the first row's position.  The last term is
+        constant along a row: it leaves P unchanged, so it is left out here and taken off the row's lse at the end of
+        ``_attend_rows``; the first, ``alibi_cols`` (``[BLOCK_N]``, from ``_alibi_cols``), is one add per score,
+        where ``|i' - j|`` takes a subtraction, an absolute value and a multiply-add.  Keys right of the diagonal get
+        a wrong score, but the causal mask hides them."""
         s2 = s * qk_scale
         if SOFTCAP:
             tanh = gl.inline_asm_elementwise(
@@ -110,9 +117,21 @@ if gluon is not None:
             )
             s2 = cap_out * tanh
         if ALIBI:
-            distance = gl.abs((rows[:, None] + diagonal_offset).to(gl.float32) - keys[None, :].to(gl.float32))
-            s2 = s2 - slope2 * distance
+            if CAUSAL:
+                s2 = s2 + alibi_cols[None, :]
+            else:
+                distance = gl.abs((rows[:, None] + diagonal_offset).to(gl.float32) - keys[None, :].to(gl.float32))
+                s2 = s2 - slope2 * distance
         return s2
+
+    @gluon.jit
+    def _alibi_cols(alibi_local, first_key, alibi_origin, slope2, CAUSAL: gl.constexpr, ALIBI: gl.constexpr):
+        """``slope (j - r0)`` for the keys ``j = first_key + 0..BLOCK_N-1`` of a tile (``_modified_scores``), as the
+        tile-invariant ``alibi_local = slope * (0..BLOCK_N-1)`` plus one scalar: no int-to-float conversion per key."""
+        if ALIBI and CAUSAL:
+            return alibi_local + slope2 * (first_key - alibi_origin).to(gl.float32)
+        else:
+            return alibi_local
 
     @gluon.jit
     def _softmax_step(s, m_i, l_i, qk_scale, DTYPE: gl.constexpr, p_layout: gl.constexpr):
@@ -191,8 +210,10 @@ if gluon is not None:
 
         start_m = start_m + WARPGROUP * ROWS
         diagonal_offset = seqlen_k - seqlen_q
+        alibi_origin = start_m + diagonal_offset  # r0 of _modified_scores: this warpgroup's first row's position
         rows = start_m + gl.arange(0, ROWS, s_rows)
         local_keys = gl.arange(0, BLOCK_N, s_cols)
+        alibi_local = slope2 * local_keys.to(gl.float32)
         q_rows = q_smem.index(WARPGROUP)
         mbarrier.wait(q_bars.index(WARPGROUP), q_phase)
         q_tile = q_rows.reshape([ROWS, BLOCK_D])
@@ -210,7 +231,10 @@ if gluon is not None:
         keys = first_key + local_keys
         step_scale = qk_scale
         if MODIFIED:
-            s = _modified_scores(s, rows, keys, diagonal_offset, qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI)
+            alibi_cols = _alibi_cols(alibi_local, first_key, alibi_origin, slope2, CAUSAL, ALIBI)
+            s = _modified_scores(
+                s, rows, keys, diagonal_offset, alibi_cols, qk_scale, cap_in, cap_out, slope2, CAUSAL, SOFTCAP, ALIBI
+            )  # fmt: skip
             step_scale = 1.0
         if (unmasked_tiles == 0) | (left_tiles > 0):
             s = _mask_scores(
@@ -249,7 +273,11 @@ if gluon is not None:
                 mbarrier.arrive(k_empty.index((kv_base + j) % NUM_STAGES))
             keys = first_key + j * BLOCK_N + local_keys
             if MODIFIED:
-                s = _modified_scores(s, rows, keys, diagonal_offset, qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI)
+                alibi_cols = _alibi_cols(alibi_local, first_key + j * BLOCK_N, alibi_origin, slope2, CAUSAL, ALIBI)
+                s = _modified_scores(
+                    s, rows, keys, diagonal_offset, alibi_cols, qk_scale, cap_in, cap_out, slope2, CAUSAL, SOFTCAP,
+                    ALIBI,
+                )  # fmt: skip
             if (j >= unmasked_tiles) | (j < left_tiles):
                 s = _mask_scores(
                     s, rows, keys, diagonal_offset, seqlen_k, window_left, window_right, CAUSAL, WINDOW_LEFT,
@@ -273,7 +301,10 @@ if gluon is not None:
         # Rows with no visible key: l = 0, acc = 0, m = -inf -> o = 0, lse = -inf (no NaN).
         empty = l_i == 0.0
         l_safe = gl.where(empty, 1.0, l_i)
-        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+        lse2 = m_i + gl.log2(l_safe)
+        if ALIBI and CAUSAL:  # the row's constant that _modified_scores left in its scores: slope (i' - r0)
+            lse2 = lse2 - slope2 * (rows - start_m).to(gl.float32)
+        lse = gl.where(empty, float("-inf"), lse2 * 0.6931471805599453)
         o_tile = acc * gl.convert_layout(1.0 / l_safe, o_rows)[:, None]
         # O leaves through shared memory (this warpgroup's Q rows when Dv = D, which the products no longer read) and
         # one TMA store (rows past Nq are dropped by the copy engine).
