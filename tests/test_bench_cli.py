@@ -439,3 +439,19 @@ def test_decode_plot_draws_one_panel_per_timing_mode_nq_and_layout(tmp_path):
     png = tmp_path / "decode.png"
     decode.plot(csv_path, png)
     assert png.stat().st_size > 10_000
+
+
+def test_decode_bench_compiles_flex_with_room_for_every_shape(monkeypatch):
+    """FlexAttention is compiled once per shape of the decoding grid (up to 18); past Dynamo's recompile limit it would
+    run its unfused eager fallback, which is not the kernel being compared, so the bench raises the limit."""
+    import torch._dynamo
+
+    from attnzoo.bench import decode
+
+    monkeypatch.setattr(decode, "_FLEX", None)
+    for name in ("recompile_limit", "cache_size_limit"):
+        monkeypatch.setattr(torch._dynamo.config, name, 8)
+    decode._compiled_flex(lambda q, k, v, **kw: q)
+    grid_shapes = len([1, 8, 64]) * len([4096, 32768, 131072]) * len([1, 4])
+    limits = [getattr(torch._dynamo.config, n) for n in ("recompile_limit", "cache_size_limit")]
+    assert min(limits) >= grid_shapes
