@@ -124,8 +124,7 @@ def gluon_source(
         return f"tensordesc<{DTYPES[dtype]}[{', '.join(map(str, box))}],{layout!r}>"
 
     flags = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=d_first, BLOCK_D2=d_second, BLOCK_DV=dv,
-                 CAUSAL=causal,
-                 NUM_STAGES=cfg.num_stages, IS_FP16=dtype == "fp16", NUM_WARPGROUPS=cfg.block_m // 64,
+                 CAUSAL=causal, NUM_STAGES=cfg.num_stages, IS_FP16=dtype == "fp16", NUM_WARPGROUPS=cfg.block_m // 64,
                  WINDOW_LEFT="window" in modifiers, WINDOW_RIGHT=False, SOFTCAP="softcap" in modifiers,
                  ALIBI="alibi" in modifiers, PERSISTENT=cfg.persistent)  # fmt: skip
     signature, constexprs = {}, {}
@@ -148,15 +147,13 @@ def report(
     modifiers: frozenset[str] = frozenset(), dv: int | None = None,
 ) -> dict:  # fmt: skip
     """Registers, spill bytes, global store / reduction widths and the wgmma waits of one compiled config."""
+    if dv not in (None, d) and not (cfg.gluon and kernel_name == "forward"):
+        raise SystemExit("--dv: the Gluon forward only (the other kernels' reports take Dv = D)")
     if cfg.gluon:
         if gluon_unavailable_reason():
             raise SystemExit(gluon_unavailable_reason())
-        if kernel_name != "forward" and dv not in (None, d):
-            raise SystemExit("--dv: the Gluon forward only (the other kernels' reports take Dv = D)")
         src, num_warps = gluon_source(kernel_name, dtype, d, cfg, causal, modifiers, dv)
     else:
-        if dv not in (None, d):
-            raise SystemExit("--dv: the Gluon forward only (the other kernels' reports take Dv = D)")
         src, num_warps = source(KERNELS[kernel_name], dtype, d, cfg, causal, q_tail, modifiers), cfg.num_warps
     compiled = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=cfg.num_stages))
     ptx = compiled.asm["ptx"]

@@ -442,15 +442,18 @@ def test_decode_plot_draws_one_panel_per_timing_mode_nq_and_layout(tmp_path):
 
 
 def test_decode_bench_compiles_flex_with_room_for_every_shape(monkeypatch):
-    """FlexAttention is compiled once per shape of the decoding grid (up to 18); past Dynamo's recompile limit it would
-    run its unfused eager fallback, which is not the kernel being compared, so the bench raises the limit."""
+    """FlexAttention is compiled once per shape of the decoding grid (up to 18; the bench takes the grid benchmark's
+    compiled Flex); past Dynamo's recompile limit it would run its unfused eager fallback, which is not the kernel
+    being compared, so the limit is raised."""
     import torch._dynamo
+    import torch._functorch.config
 
-    from attnzoo.bench import decode
-
-    monkeypatch.setattr(decode, "_FLEX", None)
+    monkeypatch.setattr(impls, "_compiled_flex", None)
     grid_shapes = len([1, 8, 64]) * len([4096, 32768, 131072]) * len([1, 4])
-    # The config's own patch() restores it afterwards (pytest's monkeypatch would delete, and so hide, the entry).
-    with torch._dynamo.config.patch(recompile_limit=8):
-        decode._compiled_flex(lambda q, k, v, **kw: q)
+    # The configs' own patch() restores them afterwards (pytest's monkeypatch would delete, and so hide, an entry).
+    with (
+        torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256),
+        torch._functorch.config.patch(donated_buffer=True),
+    ):
+        impls._flex()
         assert torch._dynamo.config.recompile_limit >= grid_shapes

@@ -57,6 +57,8 @@ def _impls(q, bufs, table, lengths, layout):
 
     import attnzoo
 
+    from . import impls as peers
+
     k, v = _views(bufs, layout)
 
     impls = {
@@ -74,9 +76,9 @@ def _impls(q, bufs, table, lengths, layout):
 
         impls["sdpa_flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
         impls["sdpa_cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
-        from torch.nn.attention.flex_attention import flex_attention
-
-        flex = _compiled_flex(flex_attention)
+        # Compiled once per shape, its recompile limit raised above the grid's 18 shapes: past Dynamo's default of 8,
+        # flex_attention would run its unfused eager form (scores materialised), which is not the kernel compared.
+        flex = peers._flex()
         impls["flex_decoding"] = lambda: flex(q, k, v, enable_gqa=True)
     return impls
 
@@ -89,22 +91,6 @@ def _zoo_call(backend, q, bufs, table, lengths, layout):
     return lambda: attnzoo.attention_with_kvcache(
         q, k, v, lengths, block_table=table_arg, causal=False, backend=backend
     )
-
-
-_FLEX = None
-
-
-def _compiled_flex(flex_attention):
-    """FlexAttention compiled once per shape (``dynamic=False``: its decoding kernel specialised as in serving).  The
-    grid has up to 18 shapes and Dynamo's default recompile limit is 8: past it, ``flex_attention`` would fall back to
-    its unfused eager form (materialised scores: 64 GiB at B = 64, 128k), which is not the kernel being compared."""
-    global _FLEX
-    if _FLEX is None:
-        for limit in ("recompile_limit", "cache_size_limit"):  # the name since torch 2.6, and the older one
-            if hasattr(torch._dynamo.config, limit):
-                setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))
-        _FLEX = torch.compile(flex_attention, dynamic=False)
-    return _FLEX
 
 
 def _as_graph(fn):

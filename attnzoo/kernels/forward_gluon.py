@@ -35,12 +35,12 @@ block's O through them (a ``q_empty`` barrier), so the copies of one block overl
 N <= 2k a block has 1-16 K/V tiles, and the prologue and epilogue of a block per program weigh there.
 
 Scope (``KernelVariant.FORWARD.gluon_scope`` in ``launch.py`` says why a call runs ``forward.py``'s kernel
-instead): an sm_90 GPU, float16/bfloat16, the (D, Dv) pairs the scope lists (64/64, 128/128), no ``seqlens_k``
-(TMA zero-fills past Nk only: V rows past ``seqlens_k[b]`` may hold NaN, and ``0 * NaN`` would reach ``P V``), a
-positive scale, and q/k/v that a TMA descriptor can address.  The kernel itself also takes a head dim that is the
-sum of two powers of two (192 = 128 + 64: Gluon tiles have power-of-two shapes, so Q and K come in two column parts
-and ``S = Q K^T`` is two chained products) with a power-of-two Dv (DeepSeek's 192/128);
-``tests/test_gpu_score_modifiers.py`` checks it on the GPU, and the scope lists such a pair once that test has run.
+instead): an sm_90 GPU, float16/bfloat16, the (D, Dv) pairs the scope lists (64/64, 128/128, 192/128), no
+``seqlens_k`` (TMA zero-fills past Nk only: V rows past ``seqlens_k[b]`` may hold NaN, and ``0 * NaN`` would reach
+``P V``), a positive scale, and q/k/v that a TMA descriptor can address.  A head dim that is the sum of two powers of
+two (192 = 128 + 64: Gluon tiles have power-of-two shapes) comes as two column parts of Q and K, and ``S = Q K^T`` as
+two chained products; Dv is a power of two (DeepSeek's 192/128).  ``tests/test_gpu_score_modifiers.py`` checks the
+kernel with such pairs on the GPU; the scope lists a pair once that test has passed for it.
 Causal masks, windows (the loop starts at the window's first tile: blocks outside the band are never loaded), the
 soft cap, ALiBi, any Nq and Nk, and grouped-query heads are handled.  Results are the same online softmax as
 ``forward.py`` (not bitwise: the products are summed in another order).

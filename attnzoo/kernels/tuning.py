@@ -45,6 +45,7 @@ from typing import NamedTuple
 import torch
 
 from .._env import autotune_requested, cache_dir
+from .gluon_hopper import head_dim_parts
 
 _CONFIG_TEXT = re.compile(r"(\d+)x(\d+) w(\d+) s(\d+)((?: (?:tma|gluon|persistent))*)")
 
@@ -237,7 +238,7 @@ def candidates(
         if cfg.gluon and gluon_head_dims is not None:
             d, dv = gluon_head_dims
             tiles = shared_memory_estimate(kernel, cfg, d, itemsize, dv)
-            if kernel == "forward" and dv != 1 << (d.bit_length() - 1):  # O leaves through rows of its own
+            if kernel == "forward" and dv != head_dim_parts(d)[0]:  # O leaves through rows of its own
                 tiles += itemsize * cfg.block_m * dv
             return tiles
         return shared_memory_estimate(kernel, cfg, block_d, itemsize, block_dv)
