@@ -241,3 +241,44 @@ def test_ring_model_crossover_is_where_transfer_meets_compute():
             assert transfer > compute
     row = model.predict(thr, shape, "pcie-gen5", 64.0, 8, 8 * n, True, "bwd", 10.0)
     assert row.rank_ms >= row.compute_only_ms and 0 < row.efficiency <= 1
+
+
+# -- the scaling benchmark (its NCCL run is on the GPUs; here two gloo processes) ----------------------------------
+def test_ring_scaling_bench_checks_and_times_every_ring_size(forkserver, tmp_path):
+    import csv
+
+    from attnzoo.bench import ring_scaling
+
+    argv = ["--seqlens", "64,128", "--check-seqlen", "32", "--backend", "torch_fa2", "--dtype", "fp32", "--heads", "2",
+            "--kv-heads", "1", "--head-dim", "16", "--repeat", "1", "--budget-ms", "0", "--link-mib", "1",
+            "--out-dir", str(tmp_path), "--name", "ring"]  # fmt: skip
+    torch.multiprocessing.start_processes(
+        ring_scaling.spawned, args=(2, f"file://{tmp_path}/init", argv), nprocs=2, start_method=forkserver
+    )
+    with open(tmp_path / "ring_check.csv") as f:
+        checks = list(csv.DictReader(f))
+    # Both layouts, both masks, every output of the ring on 2 ranks, each within SPEC.md's bound.
+    assert sorted({(r["layout"], r["causal"], r["output"]) for r in checks}) == sorted(
+        (layout, causal, output) for layout in ("zigzag", "contiguous") for causal in ("False", "True")
+        for output in ring_scaling.OUTPUTS
+    )  # fmt: skip
+    assert all(r["ok"] == "True" and r["ranks"] == "2" and float(r["ring_ratio"]) <= 1 for r in checks)
+    with open(tmp_path / "ring.csv") as f:
+        rows = list(csv.DictReader(f))
+    one = {(int(r["N"]), r["causal"], r["mode"]) for r in rows if r["ranks"] == "1"}
+    # One rank also runs the lengths a rank holds on two (32 = 64 / 2): the cost model's compute per step.
+    assert one == {(n, c, m) for n in (32, 64, 128) for c in ("False", "True") for m in ("fwd", "bwd")}
+    two = [r for r in rows if r["ranks"] == "2"]
+    assert sorted((int(r["N"]), r["layout"], r["causal"], r["mode"]) for r in two) == sorted(
+        (n, layout, causal, mode) for n in (64, 128) for layout, causal in
+        (("zigzag", "False"), ("zigzag", "True"), ("contiguous", "True")) for mode in ("fwd", "bwd")
+    )  # fmt: skip
+    for r in two:
+        assert float(r["ms"]) > 0 and float(r["compute_only_ms"]) > 0 and float(r["transfers_only_ms"]) > 0
+        assert 0 <= float(r["hidden_fraction"]) <= 1 and r["exposed_ms"] != "nan"
+        base = next(b for b in rows if (b["ranks"], b["N"], b["causal"], b["mode"]) == ("1", r["N"], r["causal"],
+                                                                                          r["mode"]))  # fmt: skip
+        assert float(r["speedup"]) == pytest.approx(float(base["ms"]) / float(r["ms"]), rel=2e-3)
+        modelled = r["layout"] == "zigzag" or r["causal"] == "False"
+        assert (float(r["predicted_ms"]) > 0) if modelled else r["predicted_ms"] == "nan"
+    assert (tmp_path / "ring.png").stat().st_size > 0
