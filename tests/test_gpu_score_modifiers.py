@@ -79,6 +79,10 @@ CASES = {
     "Dv-128-D-192": (1, 4, 2, 260, 260, 192, 128, True, None, None, 0.0, None),
     "Dv-128-D-64": (2, 2, 1, 200, 230, 64, 128, True, [230, 31], (50, 0), 0.0, None),
     "everything": (2, 4, 2, 280, 310, 96, 80, True, [310, 120], (70, -3), 15.0, "batch-heads"),
+    # No seqlens_k: the forward runs the Gluon kernel (half of its exp2s on the FMA units with a soft cap) and the
+    # backward recomputes P with the Triton kernels' tanh from that forward's lse.
+    "softcap-gluon-forward": (2, 4, 2, 384, 384, 128, 128, True, None, None, 30.0, None),
+    "small-softcap-gluon-forward": (1, 4, 4, 256, 300, 64, 64, False, None, (100, 20), 2.0, None),
 }
 
 
@@ -186,6 +190,26 @@ def test_gluon_forward_applies_each_modifier_it_implements(cfg, dtype):
             checks = oracle_for(inputs, causal, window=window, softcap=softcap, device=CUDA).check({"o": o, "lse": lse})
             for name, check in checks.items():
                 assert check.ok, f"{cfg} {dtype} causal={causal} N={Nq}x{Nk} D={D} {kw}: {name}: {check.message}"
+
+
+@pytest.mark.parametrize("cfg", [c for c in CANDIDATES["forward"] if c.gluon], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gluon_forward_with_a_soft_cap_keeps_a_nan_in_k_on_the_rows_that_see_it(cfg, dtype):
+    """SPEC.md: a NaN in k reaches every row that sees its key as NaN (o and lse), and no other row.  With the soft
+    cap, the Gluon forward takes the exp2 of every other key on the FMA units: a NaN at an even and at an odd key
+    (one in each half) must both come through."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels need an sm_90 GPU")
+    for key in (36, 37):
+        q, k, v, _, _, _ = _make(1, 2, 1, 256, 256, 128, 128, dtype, None, None, seed=key)
+        k[0, 0, key, 5] = float("nan")
+        call = prepare(q, k, v, validate_forward(q, k, v, causal=True, softcap=30.0))
+        o = torch.full((1, 2, 256, 128), float("nan"), device=CUDA, dtype=dtype)
+        lse = torch.full((1, 2, 256), float("nan"), device=CUDA)
+        _run_gluon_forward(cfg, call, o, lse, True)
+        touched = (torch.arange(256, device=CUDA) >= key).expand(1, 2, 256)  # causal: rows at or after the key
+        assert torch.equal(lse.isnan(), touched), f"{cfg} {dtype} key {key}: lse is not NaN exactly where touched"
+        assert bool(o.isnan().all(dim=-1)[touched].all()) and not o[~touched].isnan().any(), f"{cfg} key {key}: o"
 
 
 # (Nq, Nk, D, Dv, causal, window, softcap, alibi): head dims that are not a power of two reach the Gluon forward's
