@@ -14,7 +14,9 @@ Two tables, each a CSV (``<name>_check.csv``, ``<name>.csv``), and a plot (``<na
 
   * ``ms``: the ring as it runs (each step's transfer started before its attention and waited on after it);
   * ``compute_only_ms``: the same steps with each transfer replaced by a copy of the block into the receive buffer
-    on the GPU (the same kernels on real data, nothing crossing the link);
+    on the GPU (the same kernels on real data, nothing crossing the link).  The copies are work the real ring does
+    not do: at the device's copy rate they take about 11 us for a 32k ring's K/V block, so ``exposed_ms`` reads low
+    (and ``hidden_fraction`` high) by about that much;
   * ``transfers_only_ms``: the same transfers in the same order, with no attention between them.
 
   From those: ``exposed_ms``, the median over rounds of the ring's time less its compute-only time (the two are
@@ -22,15 +24,18 @@ Two tables, each a CSV (``<name>_check.csv``, ``<name>.csv``), and a plot (``<na
   transfers_only_ms`` (1: every transfer ran under the attention; 0: none did; clamped to [0, 1]: where the
   transfers take less time than the calls' jitter the fraction is not resolved, and ``exposed_ms`` shows it);
   per-rank TFLOP/s (SPEC.md's count of the whole problem over W ranks), ``speedup`` (the W = 1 time at the same N
-  over this time) and ``efficiency`` (speedup / W).  The cost model (:mod:`attnzoo.bench.ring_model`) predicts each
-  W > 1 time from this run's W = 1 throughputs and the link bandwidth and latency measured here;
-  ``predicted_ms`` and ``predicted_hidden`` are its values.
+  over this time; W = 1 is the ring's operator on a group of one rank: one local call, merged into the float32
+  accumulator) and ``efficiency`` (speedup / W).  The cost model (:mod:`attnzoo.bench.ring_model`) predicts each
+  zigzag or non-causal W > 1 time (it does not describe the contiguous causal ring) from this run's W = 1
+  throughputs and the link bandwidth and one-byte shift time measured here; ``predicted_ms`` and
+  ``predicted_hidden`` are its values.
 
 A timing is the median over ``--repeat`` calls or more (short calls: up to 20, about ``--budget-ms`` of them), after an
 untimed call and 200 ms of untimed calls; each call starts after a barrier of the ring's ranks and ends when every
 one of them has finished (the slowest rank's time; on the GPU, CUDA events around the call, queued behind a sleep
 so that the host's launch costs stay hidden as in a training step).  The GPUs first run two seconds of matrix
-products.
+products.  The ranks past W wait in a barrier of the whole group while a smaller ring runs, so that phase must end
+within the group's timeout (10 minutes).
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ import torch.distributed as dist
 
 from .. import testing
 from ..autograd import attention_forward_op, backend_key, default_scale
-from ..distributed import attention as ring
+from ..distributed import attention as ring_attn
 from ..distributed.layout import LAYOUTS
 from ..distributed.ring import TAG_DKV, TAG_KV, Ring, Transfer, group_name
 from . import ring_model
@@ -148,24 +153,24 @@ def local_copies() -> Iterator[None]:
         Ring.shift = original
 
 
-def transfers_only(ring_: Ring, kv_numel: int, dtype: torch.dtype, acc_dtype: torch.dtype, device, mode: str):
+def transfers_only(link: Ring, kv_numel: int, dtype: torch.dtype, acc_dtype: torch.dtype, device, mode: str):
     """A callable running the transfers of one ring forward (``mode="fwd"``) or backward, in the order
     :mod:`attnzoo.distributed.attention` starts and waits on them, with no attention between them."""
     kv = [torch.empty(kv_numel, dtype=dtype, device=device) for _ in range(2)]
     dkv = [torch.empty(kv_numel, dtype=acc_dtype, device=device) for _ in range(2)]
-    world = ring_.world
+    world = link.world
 
     def forward() -> None:
         for step in range(world - 1):
-            ring_.shift(kv[step % 2], kv[(step + 1) % 2], TAG_KV).wait()
+            link.shift(kv[step % 2], kv[(step + 1) % 2], TAG_KV).wait()
 
     def backward() -> None:
         pending = None
         for step in range(world):
-            kv_transfer = ring_.shift(kv[step % 2], kv[(step + 1) % 2], TAG_KV) if step + 1 < world else None
+            kv_transfer = link.shift(kv[step % 2], kv[(step + 1) % 2], TAG_KV) if step + 1 < world else None
             if pending is not None:
                 pending.wait()
-            pending = ring_.shift(dkv[step % 2], dkv[(step + 1) % 2], TAG_DKV)
+            pending = link.shift(dkv[step % 2], dkv[(step + 1) % 2], TAG_DKV)
             if kv_transfer is not None:
                 kv_transfer.wait()
         pending.wait()
@@ -188,12 +193,12 @@ def check_rows(args: argparse.Namespace, group: dist.ProcessGroup, device: torch
             )  # fmt: skip
             for t in (x.q, x.k, x.v, x.do):  # the same whole inputs on every rank
                 dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
-            local = [ring.shard(t, group, layout).detach().requires_grad_() for t in (x.q, x.k, x.v)]
-            o, lse = ring.ring_attention(*local, causal, None, group, layout, args.backend, return_lse=True)
-            o.backward(ring.shard(x.do, group, layout))
-            ring_out = {"o": ring.unshard(o.detach(), group, layout), "lse": ring.unshard(lse, group, layout)}
+            local = [ring_attn.shard(t, group, layout).detach().requires_grad_() for t in (x.q, x.k, x.v)]
+            o, lse = ring_attn.ring_attention(*local, causal, None, group, layout, args.backend, return_lse=True)
+            o.backward(ring_attn.shard(x.do, group, layout))
+            ring_out = {"o": ring_attn.unshard(o.detach(), group, layout), "lse": ring_attn.unshard(lse, group, layout)}
             for key, t in zip(("dq", "dk", "dv"), local, strict=True):
-                ring_out[key] = ring.unshard(t.grad, group, layout)
+                ring_out[key] = ring_attn.unshard(t.grad, group, layout)
             if rank != 0:
                 continue
             whole = [t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v)]
@@ -214,7 +219,7 @@ def check_rows(args: argparse.Namespace, group: dist.ProcessGroup, device: torch
                     ring_error=ring_checks[key].error, bound=ring_checks[key].bound, ring_ratio=ring_checks[key].ratio,
                     single_error=single_checks[key].error, single_ratio=single_checks[key].ratio,
                     ring_minus_single=float((a - b)[finite].abs().max()) if finite.any() else 0.0,
-                    ok=ring_checks[key].ok and bool(torch.equal(finite, torch.isfinite(a))),
+                    ok=ring_checks[key].ok and bool(torch.equal(torch.isfinite(a), torch.isfinite(b))),
                 ))  # fmt: skip
     return rows
 
@@ -244,16 +249,16 @@ def _local_inputs(args, world: int, rank: int, seqlen: int, device: torch.device
 
 def _time_case(args, group, device, inputs, layout: str, causal: bool) -> dict[str, tuple[float, ...]]:
     """``{"fwd"|"bwd": (ms, compute_only_ms, transfers_only_ms, exposed_ms)}`` of one ring call on ``inputs``
-    (the last three NaN on one rank)."""
+    (the last three NaN when the ring has one rank)."""
     q, k, v, do = inputs
     common = (causal, float(default_scale(q, None)), None, None, 0.0, group_name(group), layout, args.backend)
     saved: dict[str, torch.Tensor] = {}
 
     def forward() -> None:
-        saved["o"], saved["lse"] = ring.ring_attention_forward_op(q, k, v, *common)
+        saved["o"], saved["lse"] = ring_attn.ring_attention_forward_op(q, k, v, *common)
 
     def backward() -> None:
-        ring.ring_attention_backward_op(do, q, k, v, saved["o"], saved["lse"], *common)
+        ring_attn.ring_attention_backward_op(do, q, k, v, saved["o"], saved["lse"], *common)
 
     def without_transfers(fn: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
@@ -275,7 +280,7 @@ def _time_case(args, group, device, inputs, layout: str, causal: bool) -> dict[s
             # The ring and its compute alone alternate, so that their difference (the transfers' exposed time) is
             # taken from neighbouring calls.
             real, alone = timed_ms([fn, without_transfers(fn)], group, device, args.repeat, budget_ms=args.budget_ms)
-            moves = transfers_only(Ring(group), k.numel() + v.numel(), q.dtype, torch.float32, device, mode)
+            moves = transfers_only(Ring(group), k.numel() + v.numel(), k.dtype, torch.float32, device, mode)
             (transfers,) = timed_ms([moves], group, device, args.repeat, budget_ms=args.budget_ms)
             exposed = statistics.median(a - b for a, b in zip(real, alone, strict=True))
             times[mode] = (statistics.median(real), statistics.median(alone), statistics.median(transfers), exposed)
@@ -310,13 +315,14 @@ def scaling_rows(args, group: dist.ProcessGroup, device: torch.device, seqlens: 
 
 
 def measure_link(group: dist.ProcessGroup, device: torch.device, mib: int, repeat: int) -> tuple[float, float]:
-    """The ring's link as one shift measures it: (GB/s each way from a shift of ``mib`` MiB, less the latency; the
-    latency in us, from a shift of one byte)."""
-    ring_ = Ring(group)
+    """The ring's link as one shift measures it: (GB/s each way from a shift of ``mib`` MiB, less the one-byte time;
+    the time of a one-byte shift in us, which the cost model takes as its latency per step; it also holds the ranks'
+    start skew, each rank's timer starting when its own queued sleep ends)."""
+    link = Ring(group)
     small = [torch.zeros(1, dtype=torch.uint8, device=device) for _ in range(2)]
     big = [torch.zeros(mib * 2**20, dtype=torch.uint8, device=device) for _ in range(2)]
-    (small_ms,) = timed_ms([lambda: ring_.shift(small[0], small[1], TAG_KV).wait()], group, device, 20)
-    (big_ms,) = timed_ms([lambda: ring_.shift(big[0], big[1], TAG_KV).wait()], group, device, repeat)
+    (small_ms,) = timed_ms([lambda: link.shift(small[0], small[1], TAG_KV).wait()], group, device, 20)
+    (big_ms,) = timed_ms([lambda: link.shift(big[0], big[1], TAG_KV).wait()], group, device, repeat)
     latency_ms, big_ms = statistics.median(small_ms), statistics.median(big_ms)
     gbps = big[0].numel() * big[0].element_size() / ((big_ms - latency_ms) * 1e-3) / 1e9
     return gbps, latency_ms * 1e3
