@@ -135,6 +135,12 @@ def _transfer_ms(volume_bytes: float, gbps: float, latency_us: float) -> float:
     return volume_bytes / (gbps * 1e9) * 1e3 + latency_us * 1e-3
 
 
+def return_ms(shape: Shape, n: float, gbps: float, latency_us: float) -> float:
+    """The backward's last transfer: the float32 dK/dV accumulator of ``n`` tokens going home after the last step,
+    with no compute left to hide behind."""
+    return _transfer_ms(_kv_elements(shape, n) * FP32_BYTES, gbps, latency_us)
+
+
 def crossover(thr: Throughput, shape: Shape, causal: bool, mode: str, gbps: float, latency_us: float) -> int:
     """The smallest tokens per rank (a multiple of 64, up to 2^20) from which a step's transfer hides behind its
     compute; 0 if it never does in that range."""
@@ -156,9 +162,7 @@ def predict(
     # Step 0 of the zigzag causal ring is a causal block of the same visible work; timed at the causal throughput.
     first = compute * (thr.at(mode, False, n) / thr.at(mode, True, n)) if causal else compute
     overlapped = max(first, transfer) + (ranks - 2) * max(compute, transfer) + compute if ranks > 1 else first
-    # The backward's last dK/dV accumulator goes home after the last step, with no compute left to hide behind.
-    returning = mode == "bwd" and ranks > 1
-    tail = _transfer_ms(_kv_elements(shape, n) * FP32_BYTES, gbps, latency_us) if returning else 0.0
+    tail = return_ms(shape, n, gbps, latency_us) if mode == "bwd" and ranks > 1 else 0.0
     total = overlapped + tail
     compute_only = first + (ranks - 1) * compute
     return Prediction(

@@ -62,17 +62,14 @@ from ..distributed.layout import LAYOUTS
 from ..distributed.ring import TAG_DKV, TAG_KV, Ring, Transfer, group_name
 from . import ring_model
 from .machine import machine_info
+from .schema import backward_flops, forward_flops
+from .timing import synchronize
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 OUTPUTS = ("o", "lse", "dq", "dk", "dv")
 
 
 # -- timing across ranks --------------------------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 # A sleep queued before each timed call on the GPU (about 5 ms at the H100's 1.98 GHz): the host enqueues the call's
 # launches and transfers while the GPU is still busy, so the host's launch costs stay out of the time, as in a
 # training step whose GPU queue runs ahead of its host.
@@ -83,7 +80,7 @@ def _slowest_ms(fn: Callable[[], object], group: dist.ProcessGroup, device: torc
     """One call of ``fn`` on every rank of ``group`` after a barrier: the slowest rank's milliseconds (CUDA events
     around the call on the GPU, queued behind a sleep; the host's clock on the CPU)."""
     dist.barrier(group)
-    _sync(device)
+    synchronize(device)
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(_PRELOAD_CYCLES)
@@ -226,9 +223,9 @@ def check_rows(args: argparse.Namespace, group: dist.ProcessGroup, device: torch
 
 # -- scaling --------------------------------------------------------------------------------------------------------
 def flops(args: argparse.Namespace, seqlen: int, causal: bool, mode: str) -> float:
-    """SPEC.md's count for the whole problem: ``4 B H N^2 D`` forward, half of it causal, 2.5x that backward."""
-    fwd = 4 * args.batch * args.heads * seqlen * seqlen * args.head_dim * (0.5 if causal else 1.0)
-    return fwd * (2.5 if mode == "bwd" else 1.0)
+    """SPEC.md's count for the whole problem (``schema``'s, as the grid benchmark counts)."""
+    count = forward_flops if mode == "fwd" else backward_flops
+    return count(args.batch, args.heads, seqlen, args.head_dim, causal)
 
 
 def _cases(args: argparse.Namespace, world: int) -> list[tuple[str, bool]]:
@@ -347,8 +344,7 @@ def add_derived(rows: list[dict], gbps: float, latency_us: float) -> None:
             continue  # the model describes the zigzag ring (and any layout without a mask)
         shape = ring_model.Shape(r["B"], r["H"], r["Hkv"], r["D"], r["dtype"])
         p = ring_model.predict(thr, shape, "measured", gbps, r["ranks"], r["N"], r["causal"], r["mode"], latency_us)
-        kv = 2 * r["B"] * r["Hkv"] * p.tokens_per_rank * r["D"]
-        tail = kv * ring_model.FP32_BYTES / (gbps * 1e9) * 1e3 + latency_us * 1e-3 if r["mode"] == "bwd" else 0.0
+        tail = ring_model.return_ms(shape, p.tokens_per_rank, gbps, latency_us) if r["mode"] == "bwd" else 0.0
         transfers = p.step_transfer_ms * (r["ranks"] - 1) + tail
         r["predicted_ms"] = p.rank_ms
         r["predicted_hidden"] = min(1.0, max(0.0, 1 - p.exposed_transfer_ms / transfers))
