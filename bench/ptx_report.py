@@ -126,7 +126,7 @@ def gluon_source(
     flags = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=d_first, BLOCK_D2=d_second, BLOCK_DV=dv,
                  CAUSAL=causal, NUM_STAGES=cfg.num_stages, IS_FP16=dtype == "fp16", NUM_WARPGROUPS=cfg.block_m // 64,
                  WINDOW_LEFT="window" in modifiers, WINDOW_RIGHT=False, SOFTCAP="softcap" in modifiers,
-                 ALIBI="alibi" in modifiers, PERSISTENT=cfg.persistent)  # fmt: skip
+                 ALIBI="alibi" in modifiers, PERSISTENT=cfg.persistent, VARLEN="varlen" in modifiers)  # fmt: skip
     signature, constexprs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in flags:
@@ -135,8 +135,10 @@ def gluon_source(
             rows = q_rows if name in ("q_desc", "q2_desc", "o_desc", "do_desc") else cfg.block_n
             width = {"v_desc": dv, "o_desc": dv, "q2_desc": d_second or d_first, "k2_desc": d_second or d_first}
             signature[name] = descriptor(rows, width.get(name, d_first))
-        elif name.endswith("_ptr"):
-            signature[name] = "*fp32"
+        elif name == "o_ptr":  # the forward's packed o (varlen's rows past a sequence end)
+            signature[name] = f"*{DTYPES[dtype]}"
+        elif name.endswith("_ptr") or name in INT32_POINTERS:
+            signature[name] = "*i32" if name in INT32_POINTERS else "*fp32"
         else:
             signature[name] = "fp32" if name in SCALARS else "i32"
     return GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs), num_warps
@@ -204,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--modifiers",
         default="",
-        help="comma list of window, softcap, alibi, varlen (Triton kernels; the GPU's fp16/bf16 form)",
+        help="comma list of window, softcap, alibi, varlen (the GPU's fp16/bf16 form; varlen: also the Gluon forward)",
     )
     args = parser.parse_args(argv)
     modifiers = frozenset(filter(None, args.modifiers.split(",")))

@@ -5,6 +5,8 @@ Run with ``pytest -m gpu``."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,6 +14,7 @@ from hypothesis import strategies as st
 from test_varlen import VarlenCase, _check, varlen_cases
 
 import attnzoo
+from attnzoo.kernels.tuning import CANDIDATES
 from attnzoo.testing_varlen import random_varlen_inputs, run_varlen_backend, varlen_oracle_for
 from attnzoo.varlen import attention_varlen_backward_op, attention_varlen_forward_op
 
@@ -47,9 +50,17 @@ def test_long_sequences(name, case):
     _check(attnzoo.get(name), LONG[case])
 
 
-@pytest.mark.parametrize("name", TRITON)
-def test_rows_never_see_keys_of_another_sequence(name):
-    backend = attnzoo.get(name)
+# The Gluon forward's own configs, pinned (persistent ones run their Triton twin on packed batches).
+GLUON_FORWARD = [str(c) for c in CANDIDATES["forward"] if c.gluon and not c.persistent]
+PINNED = [(name, None) for name in TRITON] + [("triton_2kernel", cfg) for cfg in GLUON_FORWARD]
+
+
+@pytest.mark.parametrize(("name", "forward"), PINNED)
+def test_rows_never_see_keys_of_another_sequence(name, forward):
+    """A NaN in sequence 1's K and V reaches no row of another sequence.  For the Gluon forward this is the check of
+    its zeroed V rows: a TMA box of a sequence's last K/V tile reads the next sequence's rows, where P = 0, and
+    0 * NaN would be NaN."""
+    backend = attnzoo.get(name) if forward is None else attnzoo.get(name, configs={"forward": forward})
     x = random_varlen_inputs((190, 300, 77), (230, 300, 64), 4, 2, 64, dtype=F16, device="cuda", seed=5)
     clean = run_varlen_backend(backend, x, causal=False)
     rows_q, rows_k = x.rows(1)
@@ -62,6 +73,35 @@ def test_rows_never_see_keys_of_another_sequence(name):
         assert torch.isfinite(poisoned[out][outside]).all(), f"{out}: NaN outside sequence 1"
         if name == "triton_2kernel" or out in ("o", "dq"):  # the atomic dK/dV sum in a varying order
             assert torch.equal(poisoned[out][outside], clean[out][outside]), f"{out} of another sequence changed"
+
+
+# Lengths around the tile sizes (0, 1, 63-65, 127-129, one tile exactly), Nq != Nk, the modifiers, D = 192 / Dv = 128,
+# and a heads-major packed layout: every case reaches the Gluon forward (no seqlens_k; D, Dv in its scope).
+GLUON_CASES = {
+    "causal": VarlenCase(
+        (65, 0, 1, 129, 300), (65, 7, 1, 127, 350), 4, 2, 128, 128, True, None, 0.0, "none", F16, "contiguous", None, 3
+    ),
+    "window-softcap-alibi": VarlenCase(
+        (128, 63, 200), (128, 64, 190), 4, 1, 64, 64, False, (50, 9), 10.0, "batch-heads", F16, "heads-major", None, 4
+    ),
+    "d192-dv128": VarlenCase(
+        (130, 70), (130, 200), 2, 2, 192, 128, True, None, 0.0, "none", F16, "contiguous", None, 5
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(GLUON_CASES))
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+@pytest.mark.parametrize("forward", GLUON_FORWARD)
+def test_gluon_forward_on_packed_batches(forward, dtype, case):
+    """Every non-persistent Gluon forward config, pinned, on packed batches: o and lse of each sequence (and the
+    gradients, from the Triton backward on that forward's o and lse) within SPEC.md's bound of the float64 oracle;
+    every row of o written (the outputs start as NaN)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels need an sm_90 GPU")
+    _check(
+        attnzoo.get("triton_2kernel", configs={"forward": forward}), dataclasses.replace(GLUON_CASES[case], dtype=dtype)
+    )
 
 
 def _inputs(seed=0):

@@ -202,8 +202,8 @@ def varlen_block(slot, cu_seqlens_ptr, num_sequences, search_steps, BLOCK: tl.co
     ``block * BLOCK >= length``: the program returns at once).  ``t`` increases strictly with ``b``; the sequence is
     the last ``b`` with ``t_b <= slot``, found by bisection in ``search_steps = ceil(log2(B + 1))`` steps.
     """
-    lo = tl.zeros([], tl.int32)
-    hi = num_sequences + tl.zeros([], tl.int32)  # invariant: t_lo <= slot < t_hi (t_B is the slot count)
+    lo = slot * 0  # int32 scalars made from the slot, not tl.zeros: Gluon's zeros would need a layout
+    hi = lo + num_sequences  # invariant: t_lo <= slot < t_hi (t_B is the slot count)
     for _ in range(search_steps):
         mid = (lo + hi) // 2
         below = tl.load(cu_seqlens_ptr + mid) // BLOCK + mid <= slot

@@ -210,11 +210,13 @@ def attention_forward(call: PreparedCall) -> tuple[torch.Tensor, torch.Tensor]:
     modifiers = call.modifiers
 
     def launch(cfg) -> None:
-        if cfg.gluon and hopper:
+        # A packed batch runs one Q block per program: a persistent config runs its Triton twin there.
+        if cfg.gluon and hopper and not (call.varlen and cfg.persistent):
             try:
                 attention_forward_hopper(
                     q, k, v, o, lse, call.scale, call.causal, modifiers,
                     cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.persistent,
+                    varlen=call.varlen_args if call.varlen else None,
                 )  # fmt: skip
                 return
             except CompilationError as error:  # Gluon's API drifted (frontend error): the Triton kernel's tiles serve

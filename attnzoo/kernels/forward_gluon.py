@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .common import LOG2E, kv_loop_bounds, q_block_program
+from .common import LOG2E, kv_loop_bounds, q_block_opening, q_block_program
 from .gluon_hopper import (
     accumulator_layout,
     cta_barrier,
@@ -66,6 +66,7 @@ from .gluon_hopper import (
     ring_wait,
     tile_descriptor,
     tma,
+    tma_load,
     tma_store,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -151,6 +152,53 @@ if gluon is not None:
         return p_op, alpha, m_new, l_i
 
     @gluon.jit
+    def _zero_rows_from(tile, first_zero, NUM_WARPS: gl.constexpr):
+        """Zero the rows ``first_zero ..`` of a ``[ROWS, COLS]`` shared-memory tile, a few rows at a time (8 for the
+        producer warp; slices follow the 8-row swizzle pattern), and make the writes visible to the tensor cores'
+        reads.  The unrolled chunks spill a few words in the producer warp (8-28 B stored), once per Q block.
+
+        A packed sequence's last K/V tile reaches into the next sequence's rows (a TMA box zero-fills only past the
+        whole tensor).  P is 0 there, but ``0 * inf`` and ``0 * NaN`` are NaN: a non-finite value in the next
+        sequence's V would reach this sequence's rows through ``P V``.  K needs no such care: its scores there are
+        replaced by ``-inf``."""
+        ROWS: gl.constexpr = tile.type.shape[0]
+        COLS: gl.constexpr = tile.type.shape[1]
+        CHUNK: gl.constexpr = 8 if NUM_WARPS == 1 else 16
+        LANE_COLS: gl.constexpr = 32 if COLS // 8 > 32 else COLS // 8
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // LANE_COLS, LANE_COLS], [NUM_WARPS, 1], [1, 0])
+        for c in gl.static_range(ROWS // CHUNK):
+            part = tile.slice(c * CHUNK, CHUNK)
+            values = part.load(layout)
+            row = c * CHUNK + gl.arange(0, CHUNK, gl.SliceLayout(1, layout))
+            part.store(gl.where(row[:, None] >= first_zero, gl.zeros_like(values), values))
+        fence_async_shared()
+
+    @gluon.jit
+    def _store_rows_below(tile, first_row_ptr, stride_row, rows_kept):
+        """Store the rows ``0 .. rows_kept - 1`` of a ``[ROWS, COLS]`` shared-memory tile (one warpgroup) to global
+        rows ``first_row_ptr + r * stride_row``, 16 rows at a time: the end of a packed sequence inside a slab, whose
+        later rows belong to the next sequence."""
+        ROWS: gl.constexpr = tile.type.shape[0]
+        COLS: gl.constexpr = tile.type.shape[1]
+        CHUNK: gl.constexpr = 16
+        LANE_COLS: gl.constexpr = 32 if COLS // 8 > 32 else COLS // 8
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // LANE_COLS, LANE_COLS], [4, 1], [1, 0])
+        cols = gl.arange(0, COLS, gl.SliceLayout(0, layout))
+        for c in gl.static_range(ROWS // CHUNK):
+            row = c * CHUNK + gl.arange(0, CHUNK, gl.SliceLayout(1, layout))
+            values = tile.slice(c * CHUNK, CHUNK).load(layout)
+            at = first_row_ptr + row.to(gl.int64)[:, None] * stride_row + cols[None, :]
+            gl.store(at, values, mask=(row < rows_kept)[:, None])
+
+    @gluon.jit
+    def _zero_tail(tile, first_zero):
+        """``_zero_rows_from`` by the one warpgroup that both loads and reads ``tile`` (the 64-row block), when the
+        tile reaches past its sequence; every warp's writes land before the product that reads the tile."""
+        if first_zero < tile.type.shape[0]:
+            _zero_rows_from(tile, first_zero, 4)
+            cta_barrier()
+
+    @gluon.jit
     def _load_qk(desc, desc2, bars, ring, ring2, index, batch, head, row, pred,
                  NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
         """A Q or K tile into slot ``index % NUM_STAGES``: one TMA box, or (SPLIT) its two column parts."""
@@ -174,11 +222,11 @@ if gluon is not None:
 
     @gluon.jit
     def _attend_rows(
-        k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
+        k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers, packed,
         WARPGROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
         BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
         INLINE_LOADS: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-        ALIBI: gl.constexpr,
+        ALIBI: gl.constexpr, VARLEN: gl.constexpr,
     ):  # fmt: skip
         """o and lse of the 64 rows of warpgroup ``WARPGROUP`` of the Q block (4 warps; the loop of the module
         docstring).  INLINE_LOADS: this warpgroup refills the K/V slots itself (the whole block is one warpgroup);
@@ -190,12 +238,21 @@ if gluon is not None:
         the Q rows arrive in phase ``q_phase`` of their barrier.
         ``modifiers = (window_left, window_right, cap_in, cap_out, slope2)``, each read only under its flag; with the
         soft cap or ALiBi the scores are scaled and modified before the mask, and the softmax takes them as they are.
+
+        ``packed = (coord_batch, row_origin, key_origin, total_q, o_ptr, stride_o_row)``: rows, keys and lengths in
+        ``scalars`` count within the sequence; a TMA box of it starts at ``[coord_batch, head, origin + row, 0]``.
+        Dense: ``(batch, 0, 0, ..)``.  VARLEN (a packed sequence, descriptors over ``[1, H, total, D]``): ``(0,
+        cu_seqlens_q[b], cu_seqlens_k[b], total_q, ..)``; lse is ``[H, total_q]``, a slab of rows cut by the
+        sequence's end leaves by a masked store from registers (a TMA box would write the next sequence's rows), and
+        (INLINE_LOADS) the warpgroup zeroes the rows of its last V tile past the sequence (``_zero_rows_from``; the
+        producer warp does it otherwise).
         """
         q_smem, q2_smem, k_ring, k2_ring, v_ring, o_smem = smem
         q_bars, k_ready, v_ready, k_empty, v_empty = bars
-        (bh, batch, head, kv_head, start_m, seqlen_q, seqlen_k,
+        (bh, _, head, kv_head, start_m, seqlen_q, seqlen_k,
          first_key, left_tiles, unmasked_tiles, n_tiles, qk_scale, q_phase, kv_base) = scalars  # fmt: skip
         window_left, window_right, cap_in, cap_out, slope2 = modifiers
+        coord_batch, row_origin, key_origin, total_q, o_ptr, stride_o_row = packed
         MODIFIED: gl.constexpr = SOFTCAP or ALIBI
         ROWS: gl.constexpr = q_smem.type.shape[3]
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
@@ -252,9 +309,10 @@ if gluon is not None:
                 cta_barrier()
                 k_next = j + NUM_STAGES - 1
                 v_next = j + NUM_STAGES - 2
-                _load_qk(k_desc, k2_desc, k_ready, k_ring, k2_ring, k_next, batch, kv_head,
-                         first_key + k_next * BLOCK_N, k_next < n_tiles, NUM_STAGES, BLOCK_D2 > 0)  # fmt: skip
-                ring_load(v_desc, v_ready, v_ring, v_next, batch, kv_head, first_key + v_next * BLOCK_N,
+                first = key_origin + first_key
+                _load_qk(k_desc, k2_desc, k_ready, k_ring, k2_ring, k_next, coord_batch, kv_head,
+                         first + k_next * BLOCK_N, k_next < n_tiles, NUM_STAGES, BLOCK_D2 > 0)  # fmt: skip
+                ring_load(v_desc, v_ready, v_ring, v_next, coord_batch, kv_head, first + v_next * BLOCK_N,
                           v_next < n_tiles, NUM_STAGES)  # fmt: skip
 
             # The last S tile's registers serve as the (ignored) accumulator input: no zero tile per iteration.
@@ -263,6 +321,8 @@ if gluon is not None:
             )
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
             v_tile = ring_wait(v_ready, v_ring, kv_base + j - 1, BLOCK_N, BLOCK_DV, NUM_STAGES)
+            if VARLEN and INLINE_LOADS:
+                _zero_tail(v_tile, seqlen_k - (first_key + (j - 1) * BLOCK_N))
             acc = warpgroup_mma(p, v_tile, acc, is_async=True)
             # wgmma groups complete in order: one outstanding means S_j (both parts) is done and P_{j-1} V_{j-1} may
             # still run.
@@ -292,6 +352,8 @@ if gluon is not None:
 
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         v_tile = ring_wait(v_ready, v_ring, kv_base + n_tiles - 1, BLOCK_N, BLOCK_DV, NUM_STAGES)
+        if VARLEN and INLINE_LOADS:
+            _zero_tail(v_tile, seqlen_k - (first_key + (n_tiles - 1) * BLOCK_N))
         acc = warpgroup_mma(p, v_tile, acc, is_async=True)
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
         if not INLINE_LOADS:
@@ -306,30 +368,46 @@ if gluon is not None:
             lse2 = lse2 - slope2 * (rows - start_m).to(gl.float32)
         lse = gl.where(empty, float("-inf"), lse2 * 0.6931471805599453)
         o_tile = acc * gl.convert_layout(1.0 / l_safe, o_rows)[:, None]
-        # O leaves through shared memory (this warpgroup's Q rows when Dv = D, which the products no longer read) and
-        # one TMA store (rows past Nq are dropped by the copy engine).
+        if VARLEN:
+            lse_rows = lse_ptr + head.to(gl.int64) * total_q + row_origin
+            cut = start_m + ROWS > seqlen_q
+        else:
+            lse_rows = lse_ptr + bh.to(gl.int64) * seqlen_q
+            cut = False
+        # O leaves through shared memory (this warpgroup's Q rows when Dv = D, which the products no longer read):
+        # one TMA store (rows past Nq are dropped by the copy engine), or, for a slab that the end of a packed
+        # sequence cuts, masked stores of its own rows.
         o_slot = o_smem.index(WARPGROUP)
         cta_barrier()  # every warp is past the waits of the products that read Q
         o_slot.reshape([ROWS, BLOCK_DV]).store(o_tile.to(DTYPE))
         fence_async_shared()
         cta_barrier()
-        tma_store(o_desc, [batch, head, start_m, 0], o_slot)
-        gl.store(lse_ptr + bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
+        if cut:
+            o_head = o_ptr + (row_origin + start_m).to(gl.int64) * stride_o_row + head * BLOCK_DV
+            _store_rows_below(o_slot.reshape([ROWS, BLOCK_DV]), o_head, stride_o_row, seqlen_q - start_m)
+        else:
+            tma_store(o_desc, [coord_batch, head, row_origin + start_m, 0], o_slot)
+        gl.store(lse_rows + rows, lse, mask=rows < seqlen_q)
         tma.store_wait(0)
 
     @gluon.jit
     def _load_tiles(
         q_desc, k_desc, q2_desc, k2_desc, v_desc, smem, bars, q_empty, batch, head, kv_head, start_m, first_key,
-        n_tiles, kv_base, q_round,
+        n_tiles, kv_base, q_round, key_end, v_tail,
         BLOCK_N: gl.constexpr, BLOCK_D2: gl.constexpr, NUM_WARPGROUPS: gl.constexpr, NUM_STAGES: gl.constexpr,
-        PERSISTENT: gl.constexpr,
+        PERSISTENT: gl.constexpr, VARLEN: gl.constexpr,
     ):  # fmt: skip
         """The producer warp of the warp-specialised block: each warpgroup's Q rows, then K and V tile ``i`` (ring
         number ``kv_base + i``) into its slot as soon as every warpgroup has released the slot's previous tile.
 
         PERSISTENT (Q block number ``q_round`` of this program): the Q rows of a warpgroup wait until it has stored
         the previous block's O through them (``q_empty``), and they are loaded after the first K/V tile, so that
-        this tile's copy overlaps the previous block's epilogue."""
+        this tile's copy overlaps the previous block's epilogue.
+
+        ``batch``, ``start_m`` and ``first_key`` are TMA coordinates (packed: 0 and rows of the whole tensor).
+        VARLEN: a V tile that reaches past the sequence's last key ``key_end`` lands on ``v_tail`` instead; this warp
+        zeroes its rows past the sequence (``_zero_rows_from``) and only then completes the slot's "ready" barrier
+        (a plain arrive: its count is one and no bytes are expected of it)."""
         q_smem, q2_smem, k_ring, k2_ring, v_ring, _ = smem
         q_bars, k_ready, v_ready, k_empty, v_empty = bars
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
@@ -346,7 +424,16 @@ if gluon is not None:
             _load_qk(k_desc, k2_desc, k_ready, k_ring, k2_ring, index, batch, kv_head, first_key + i * BLOCK_N, True,
                      NUM_STAGES, BLOCK_D2 > 0)  # fmt: skip
             mbarrier.wait(v_empty.index(slot), free_phase)
-            ring_load(v_desc, v_ready, v_ring, index, batch, kv_head, first_key + i * BLOCK_N, True, NUM_STAGES)
+            key = first_key + i * BLOCK_N
+            if VARLEN and key + BLOCK_N > key_end:  # at most one such tile: the block's last (v_tail's phase 0)
+                mbarrier.expect(v_tail, v_desc.block_type.nbytes)
+                tma_load(v_desc, [batch, kv_head, key, 0], v_tail, v_ring.index(slot))
+                mbarrier.wait(v_tail, 0)
+                v_tile = v_ring.index(slot)
+                _zero_rows_from(v_tile.reshape([v_tile.type.shape[2], v_tile.type.shape[3]]), key_end - key, 1)
+                mbarrier.arrive(v_ready.index(slot))
+            else:
+                ring_load(v_desc, v_ready, v_ring, index, batch, kv_head, key, True, NUM_STAGES)
             if PERSISTENT:  # noqa: SIM102 - a compile-time branch around a runtime one
                 if i == 0:
                     for w in gl.static_range(NUM_WARPGROUPS):
@@ -357,19 +444,31 @@ if gluon is not None:
     @gluon.jit
     def _q_block(
         tile, problem, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-        WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, ALIBI: gl.constexpr,
+        WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
     ):  # fmt: skip
-        """Q block ``tile`` of the grid (``q_block_program``'s numbering) -> ``(bh, batch, head, kv_head, start_m,
-        start, left_tiles, unmasked_tiles, n_tiles, slope2)``.
+        """Q block ``tile`` of the grid (``q_block_opening``'s numbering) -> ``(bh, batch, head, kv_head, start_m,
+        start, left_tiles, unmasked_tiles, n_tiles, slope2, seqlen_q, seqlen_k, packed)`` with ``packed`` as
+        ``_attend_rows`` takes it.  VARLEN: ``batch`` is the sequence, the lengths are its own, and ``start_m >=
+        seqlen_q`` marks an idle slot of the grid (``common.varlen_block``).
 
         Key ranges (kv_loop_bounds, as in forward.py): the loop runs over the tiles of [start, end), and
         [unmasked_start, unmasked_end) needs no mask; tiles outside [start, end) are hidden from every real row and
         never loaded.  At least one tile runs (fully masked when no row sees a key), so that the loop needs no
         special case: it leaves m = -inf, l = 0 in such rows."""
         (num_m_blocks, num_heads, group_size, seqlen_q, seqlen_k, window_left, window_right,
-         alibi_ptr, stride_alibi_b, stride_alibi_h) = problem  # fmt: skip
-        bh, m_block, batch, head, kv_head = q_block_program(tile, num_m_blocks, num_heads, group_size, CAUSAL)
-        start_m = m_block * BLOCK_M
+         alibi_ptr, stride_alibi_b, stride_alibi_h, varlen, outputs) = problem  # fmt: skip
+        total_q, o_ptr, stride_o_row = outputs
+        if VARLEN:
+            # (alibi_ptr stands in for seqlens_k, which the scope excludes)
+            bh, _, batch, head, kv_head, start_m, q_first, k_first, seqlen_q, seqlen_k, _ = q_block_opening(
+                tile, num_m_blocks, num_heads, group_size, alibi_ptr, seqlen_q, seqlen_k, varlen, BLOCK_M, CAUSAL,
+                False, True,
+            )  # fmt: skip
+            packed = (0, q_first, k_first, total_q, o_ptr, stride_o_row)
+        else:
+            bh, m_block, batch, head, kv_head = q_block_program(tile, num_m_blocks, num_heads, group_size, CAUSAL)
+            start_m = m_block * BLOCK_M
+            packed = (batch, 0, 0, total_q, o_ptr, stride_o_row)
         start, unmasked_start, unmasked_end, end = kv_loop_bounds(
             start_m, seqlen_q, seqlen_k, seqlen_k, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
             BLOCK_M, BLOCK_N,
@@ -382,7 +481,8 @@ if gluon is not None:
             slope2 = slope * 1.4426950408889634
         else:
             slope2 = 0.0
-        return bh, batch, head, kv_head, start_m, start, left_tiles, unmasked_tiles, n_tiles, slope2
+        return (bh, batch, head, kv_head, start_m, start, left_tiles, unmasked_tiles, n_tiles, slope2, seqlen_q,
+                seqlen_k, packed)  # fmt: skip
 
     @gluon.jit
     def _attend_blocks(
@@ -394,19 +494,19 @@ if gluon is not None:
         """A persistent program's warpgroup ``WARPGROUP``: its rows of Q blocks ``program_id, program_id +
         num_programs, ..``, one after the other, each as ``_attend_rows``; after a block's O has left through the Q
         rows, an arrive on ``q_empty`` lets the producer load the next block's."""
-        seqlen_q, seqlen_k, window_left, window_right = problem[3], problem[4], problem[5], problem[6]
+        window_left, window_right = problem[5], problem[6]
         kv_base = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             q_round = (tile - gl.program_id(0)) // gl.num_programs(0)
-            bh, batch, head, kv_head, start_m, start, left_tiles, unmasked_tiles, n_tiles, slope2 = _q_block(
-                tile, problem, 128, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, ALIBI
-            )
+            (bh, batch, head, kv_head, start_m, start, left_tiles, unmasked_tiles, n_tiles, slope2, seqlen_q,
+             seqlen_k, packed) = _q_block(tile, problem, 128, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, ALIBI,
+                                          False)  # fmt: skip
             scalars = (bh, batch, head, kv_head, start_m, seqlen_q, seqlen_k, start, left_tiles, unmasked_tiles,
                        n_tiles, qk_scale, q_round & 1, kv_base)  # fmt: skip
             _attend_rows(k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars,
-                         (window_left, window_right, cap_in, cap_out, slope2),
+                         (window_left, window_right, cap_in, cap_out, slope2), packed,
                          WARPGROUP, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16, False,
-                         WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI)  # fmt: skip
+                         WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, False)  # fmt: skip
             mbarrier.arrive(q_empty.index(WARPGROUP))
             kv_base += n_tiles
 
@@ -420,26 +520,27 @@ if gluon is not None:
         kv_base = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             q_round = (tile - gl.program_id(0)) // gl.num_programs(0)
-            _, batch, head, kv_head, start_m, start, _, _, n_tiles, _ = _q_block(
-                tile, problem, 128, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, False
+            _, batch, head, kv_head, start_m, start, _, _, n_tiles, _, _, seqlen_k, _ = _q_block(
+                tile, problem, 128, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, False, False
             )
             _load_tiles(q_desc, k_desc, q2_desc, k2_desc, v_desc, smem, bars, q_empty, batch, head, kv_head,
-                        start_m, start, n_tiles, kv_base, q_round, BLOCK_N, BLOCK_D2, NUM_WARPGROUPS, NUM_STAGES,
-                        True)  # fmt: skip
+                        start_m, start, n_tiles, kv_base, q_round, seqlen_k, q_empty, BLOCK_N, BLOCK_D2,
+                        NUM_WARPGROUPS, NUM_STAGES, True, False)  # fmt: skip
             kv_base += n_tiles
 
     @gluon.jit(do_not_specialize=[
         "num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks", "window_left", "window_right",
-        "stride_alibi_b", "stride_alibi_h", "num_tiles",
+        "stride_alibi_b", "stride_alibi_h", "num_tiles", "total_q", "num_sequences", "search_steps",
     ])  # fmt: skip
     def attention_forward_hopper_kernel(
         q_desc, k_desc, q2_desc, k2_desc, v_desc, o_desc, lse_ptr,
         num_heads, group_size, seqlen_q, seqlen_k, num_m_blocks, qk_scale,
         window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h, num_tiles,
+        o_ptr, stride_o_row, total_q, cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps,
         BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr,
         CAUSAL: gl.constexpr, NUM_WARPGROUPS: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
         WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-        PERSISTENT: gl.constexpr,
+        PERSISTENT: gl.constexpr, VARLEN: gl.constexpr,
     ):  # fmt: skip
         """o, lse of one Q block of NUM_WARPGROUPS * 64 rows of one (batch, head); grid: 1-d, ``num_tiles`` =
         num_m_blocks * B * H programs (as ``forward.py``); launched with 4 warps (the first warpgroup; the
@@ -452,16 +553,27 @@ if gluon is not None:
         tails need no predicates.  Tiles have power-of-two widths, so a head dim such as 192 comes as two column
         parts: q_desc/k_desc over columns ``[0, BLOCK_D)`` and q2_desc/k2_desc over the next BLOCK_D2 (0: no second
         part; q2_desc/k2_desc are then q_desc/k_desc again, unread).
+
+        VARLEN (a packed batch; not PERSISTENT): the descriptors are over ``[1, H, total, D]`` views of the packed
+        ``[total, H, D]`` tensors, the grid is ``num_m_blocks = total_q // BLOCK_M + B`` slots per head
+        (``common.varlen_block``; idle slots return at once), ``o_ptr``/``stride_o_row`` address the packed o for
+        the rows a TMA box may not write, and lse is ``[H, total_q]``.
         """
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
         gl.static_assert(ROWS == 64, "q/o boxes of one warpgroup's 64 rows")
         BLOCK_M: gl.constexpr = ROWS * NUM_WARPGROUPS
+        gl.static_assert(not (VARLEN and PERSISTENT), "a packed batch runs one Q block per program")
         problem = (num_m_blocks, num_heads, group_size, seqlen_q, seqlen_k, window_left, window_right,
-                   alibi_ptr, stride_alibi_b, stride_alibi_h)  # fmt: skip
-        bh, batch, head, kv_head, start_m, start, left_tiles, unmasked_tiles, n_tiles, slope2 = _q_block(
-            gl.program_id(0), problem, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, ALIBI
-        )
+                   alibi_ptr, stride_alibi_b, stride_alibi_h, (cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps),
+                   (total_q, o_ptr, stride_o_row))  # fmt: skip
+        (bh, batch, head, kv_head, start_m, start, left_tiles, unmasked_tiles, n_tiles, slope2, seqlen_q, seqlen_k,
+         packed) = _q_block(gl.program_id(0), problem, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, ALIBI,
+                            VARLEN)  # fmt: skip
+        if VARLEN:  # noqa: SIM102 - a compile-time branch around a runtime one
+            if start_m >= seqlen_q:  # an idle slot of the packed grid
+                return
+        coord_batch, row_origin, key_origin = packed[0], packed[1], packed[2]
 
         q_smem = gl.allocate_shared_memory(DTYPE, [NUM_WARPGROUPS, 1, 1, ROWS, BLOCK_D], q_desc.layout)
         k_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
@@ -485,6 +597,11 @@ if gluon is not None:
             q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WARPGROUPS, 1], mbarrier.MBarrierLayout())
         else:
             q_empty = q_bars  # not used
+        if VARLEN and NUM_WARPGROUPS == 2:
+            v_tail = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(v_tail, count=1)
+        else:
+            v_tail = q_bars.index(0)  # not used
         for w in gl.static_range(NUM_WARPGROUPS):
             mbarrier.init(q_bars.index(w), count=1)
             if PERSISTENT:
@@ -518,15 +635,18 @@ if gluon is not None:
         if NUM_WARPGROUPS == 1:
             # Prologue loads: Q, K tiles 0 .. NUM_STAGES-1, V tiles 0 .. NUM_STAGES-2 (V slot NUM_STAGES-1 is filled
             # at the top of iteration 1, when the refill schedule of _attend_rows takes over).
-            _load_qk(q_desc, q2_desc, q_bars, q_smem, q2_smem, 0, batch, head, start_m, True, 1, BLOCK_D2 > 0)
+            _load_qk(q_desc, q2_desc, q_bars, q_smem, q2_smem, 0, coord_batch, head, row_origin + start_m, True, 1,
+                     BLOCK_D2 > 0)  # fmt: skip
+            first = key_origin + start
             for i in gl.static_range(NUM_STAGES):
-                _load_qk(k_desc, k2_desc, k_ready, k_ring, k2_ring, i, batch, kv_head, start + i * BLOCK_N, i < n_tiles,
-                         NUM_STAGES, BLOCK_D2 > 0)  # fmt: skip
+                _load_qk(k_desc, k2_desc, k_ready, k_ring, k2_ring, i, coord_batch, kv_head, first + i * BLOCK_N,
+                         i < n_tiles, NUM_STAGES, BLOCK_D2 > 0)  # fmt: skip
             for i in gl.static_range(NUM_STAGES - 1):
-                ring_load(v_desc, v_ready, v_ring, i, batch, kv_head, start + i * BLOCK_N, i < n_tiles, NUM_STAGES)
-            _attend_rows(k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
+                ring_load(v_desc, v_ready, v_ring, i, coord_batch, kv_head, first + i * BLOCK_N, i < n_tiles,
+                          NUM_STAGES)  # fmt: skip
+            _attend_rows(k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers, packed,
                          0, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16, True,
-                         WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI)  # fmt: skip
+                         WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, VARLEN)  # fmt: skip
         elif PERSISTENT:
             gl.static_assert(NUM_WARPGROUPS == 2, "persistent blocks are warp-specialised")
             gl.warp_specialize(
@@ -551,15 +671,16 @@ if gluon is not None:
             # applies only where the kernel sets maxnreg; ptxas gives every thread 168 (65536 / 384 threads).
             gl.warp_specialize(
                 [
-                    (_attend_rows, (k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
+                    (_attend_rows, (k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers, packed,
                                     0, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16, False,
-                                    WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI)),
-                    (_attend_rows, (k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers,
+                                    WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, VARLEN)),
+                    (_attend_rows, (k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers, packed,
                                     1, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16, False,
-                                    WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI)),
-                    (_load_tiles, (q_desc, k_desc, q2_desc, k2_desc, v_desc, smem, bars, q_empty, batch, head, kv_head,
-                                   start_m, start, n_tiles, 0, 0, BLOCK_N, BLOCK_D2, NUM_WARPGROUPS, NUM_STAGES,
-                                   False)),
+                                    WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, VARLEN)),
+                    (_load_tiles, (q_desc, k_desc, q2_desc, k2_desc, v_desc, smem, bars, q_empty, coord_batch, head,
+                                   kv_head, row_origin + start_m, key_origin + start, n_tiles, 0, 0,
+                                   key_origin + seqlen_k, v_tail, BLOCK_N, BLOCK_D2, NUM_WARPGROUPS, NUM_STAGES,
+                                   False, VARLEN)),
                 ],
                 [4, 1],
                 [232, 24],
@@ -574,6 +695,8 @@ if gluon is not None:
             mbarrier.invalidate(v_ready.index(i))
             mbarrier.invalidate(k_empty.index(i))
             mbarrier.invalidate(v_empty.index(i))
+        if VARLEN and NUM_WARPGROUPS == 2:
+            mbarrier.invalidate(v_tail)
 
 
 def attention_forward_hopper(
@@ -590,6 +713,7 @@ def attention_forward_hopper(
     num_warps: int = 8,
     num_stages: int = 2,
     persistent: bool = False,
+    varlen: tuple | None = None,
 ) -> None:
     """Write ``o`` ``[B, H, Nq, Dv]`` (contiguous, dtype of q) and ``lse`` ``[B, H, Nq]`` float32 of one call.
 
@@ -599,7 +723,17 @@ def attention_forward_hopper(
     or 128 (two warpgroups, ``num_warps`` = 8, warp-specialised with a producer warp).  ``persistent`` (128 rows):
     one program per SM (fewer where there are fewer Q blocks) runs the Q blocks in turn, each block's first K/V tile
     loading under the previous one's epilogue.
+
+    ``varlen = (cu_seqlens_q, cu_seqlens_k, B, search_steps)``: a packed batch (``launch.PreparedCall.varlen_args``),
+    q ``[total_q, H, D]``, k ``[total_k, Hkv, D]``, v ``[total_k, Hkv, Dv]``, o ``[total_q, H, Dv]`` (contiguous),
+    lse ``[H, total_q]``; not persistent.
     """
+    o_rows = o
+    if varlen is not None:
+        if persistent:
+            raise ValueError("a packed batch runs one Q block per program: persistent=False")
+        # [total, H, D] seen as [1, H, total, D]: a head's rows of the whole packed tensor, one TMA box per tile.
+        q, k, v, o = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v, o))
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     if block_m not in (64, 128) or block_m != 16 * num_warps:
@@ -622,15 +756,22 @@ def attention_forward_hopper(
         q2_desc, k2_desc = q_desc, k_desc  # not read
     if persistent and block_m != 128:
         raise ValueError(f"persistent runs the warp-specialised 128-row blocks, got block_m={block_m}")
-    num_m_blocks = -(-Nq // block_m)
-    num_tiles = num_m_blocks * B * H
+    if varlen is None:
+        num_m_blocks = -(-Nq // block_m)
+        num_tiles = num_m_blocks * B * H
+        sequences = (lse, lse, 0, 0)  # not read
+    else:
+        num_m_blocks = Nq // block_m + varlen[2]  # slots per head (common.varlen_block)
+        num_tiles = num_m_blocks * H
+        sequences = varlen
     programs = min(num_tiles, sm_count(q.device)) if persistent else num_tiles
     attention_forward_hopper_kernel[(programs,)](
         q_desc, k_desc, q2_desc, k2_desc, tile_descriptor(v, block_n), tile_descriptor(o, 64), lse,
         H, H // Hkv, Nq, Nk, num_m_blocks, scale * LOG2E, *modifiers.args[1:], num_tiles,
+        o_rows, o_rows.stride(0), Nq, *sequences,
         BLOCK_N=block_n, BLOCK_D=d_first, BLOCK_D2=d_second, BLOCK_DV=Dv, CAUSAL=causal,
         NUM_WARPGROUPS=block_m // 64, NUM_STAGES=num_stages, IS_FP16=q.dtype == torch.float16,
         WINDOW_LEFT=modifiers.flags["WINDOW_LEFT"], WINDOW_RIGHT=modifiers.flags["WINDOW_RIGHT"],
         SOFTCAP=modifiers.flags["SOFTCAP"] != 0, ALIBI=modifiers.flags["ALIBI"], PERSISTENT=persistent,
-        num_warps=KERNEL_WARPS,
+        VARLEN=varlen is not None, num_warps=KERNEL_WARPS,
     )  # fmt: skip

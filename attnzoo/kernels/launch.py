@@ -454,6 +454,7 @@ class GluonScope:
     window: bool = False
     softcap: bool = False
     alibi: bool = False
+    varlen: bool = False  # packed batches (``attention_varlen``)
 
     def modifier_reasons(self, modifiers: ScoreModifiers) -> list[str]:
         """The score modifiers of a call that the kernel does not apply."""
@@ -488,8 +489,8 @@ class GluonScope:
         reasons.extend(self.head_dim_reasons(call.problem.head_dim, call.problem.head_dim_v))
         if call.has_seqlens:
             reasons.append("seqlens_k: the K/V rows past seqlens_k[b] may hold anything, and TMA cannot zero them")
-        if call.varlen:
-            reasons.append("packed variable-length batches: the Gluon kernels address dense [B, H, N, D] tensors only")
+        if call.varlen and not self.varlen:
+            reasons.append("packed variable-length batches: this Gluon kernel addresses dense [B, H, N, D] tensors")
         reasons.extend(self.modifier_reasons(call.modifiers))
         if self.needs_positive_scale and not call.scale > 0:
             reasons.append("scale <= 0: the kernel folds a positive scale into exp2's argument")
@@ -498,7 +499,7 @@ class GluonScope:
         if len(extra) != len(self.extra_tma_operands) or not all(descriptor_loads_possible(x) for x in extra):
             names = " and ".join(self.extra_tma_operands)
             reasons.append(f"{names} not addressable by TMA (empty, or not: last stride 1, 16-byte aligned strides)")
-        if not (descriptor_loads_possible(q) and call.kv_descriptors):
+        if not all(descriptor_loads_possible(x) for x in (q, call.k, call.v)):
             reasons.append("q, k or v not addressable by TMA (empty, or not: last stride 1, 16-byte aligned strides)")
         return reasons
 
@@ -514,6 +515,7 @@ _GLUON_SCOPES = {
         window=True,
         softcap=True,
         alibi=True,
+        varlen=True,
     ),
     KernelVariant.DKDV: GluonScope("backward_gluon.py", needs_positive_scale=False, extra_tma_operands=("do",)),
 }
