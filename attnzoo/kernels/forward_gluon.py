@@ -42,7 +42,10 @@ two (192 = 128 + 64: Gluon tiles have power-of-two shapes) comes as two column p
 two chained products; Dv is a power of two (DeepSeek's 192/128).  ``tests/test_gpu_score_modifiers.py`` checks the
 kernel with such pairs on the GPU; the scope lists a pair once that test has passed for it.
 Causal masks, windows (the loop starts at the window's first tile: blocks outside the band are never loaded), the
-soft cap, ALiBi, any Nq and Nk, and grouped-query heads are handled.  Results are the same online softmax as
+soft cap, ALiBi, any Nq and Nk, and grouped-query heads are handled.  Packed batches (``attention_varlen``) run with
+VARLEN, one Q block per program (not persistent): a sequence's TMA boxes reach into the next sequence's rows, so the
+rows of its last V tile past its end are zeroed before ``P V`` and an O slab that its end cuts leaves by masked
+stores (``_attend_rows``).  Results are the same online softmax as
 ``forward.py`` (not bitwise: the products are summed in another order).
 """
 
