@@ -246,7 +246,7 @@ if gluon is not None:
         ``scalars`` count within the sequence; a TMA box of it starts at ``[coord_batch, head, origin + row, 0]``.
         Dense: ``(batch, 0, 0, ..)``.  VARLEN (a packed sequence, descriptors over ``[1, H, total, D]``): ``(0,
         cu_seqlens_q[b], cu_seqlens_k[b], total_q, ..)``; lse is ``[H, total_q]``, a slab of rows cut by the
-        sequence's end leaves by a masked store from registers (a TMA box would write the next sequence's rows), and
+        sequence's end leaves by masked stores from shared memory (a TMA box would write the next sequence's rows), and
         (INLINE_LOADS) the warpgroup zeroes the rows of its last V tile past the sequence (``_zero_rows_from``; the
         producer warp does it otherwise).
         """
@@ -324,8 +324,6 @@ if gluon is not None:
             )
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
             v_tile = ring_wait(v_ready, v_ring, kv_base + j - 1, BLOCK_N, BLOCK_DV, NUM_STAGES)
-            if VARLEN and INLINE_LOADS:
-                _zero_tail(v_tile, seqlen_k - (first_key + (j - 1) * BLOCK_N))
             acc = warpgroup_mma(p, v_tile, acc, is_async=True)
             # wgmma groups complete in order: one outstanding means S_j (both parts) is done and P_{j-1} V_{j-1} may
             # still run.
@@ -355,7 +353,7 @@ if gluon is not None:
 
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         v_tile = ring_wait(v_ready, v_ring, kv_base + n_tiles - 1, BLOCK_N, BLOCK_DV, NUM_STAGES)
-        if VARLEN and INLINE_LOADS:
+        if VARLEN and INLINE_LOADS:  # only the last tile can reach past the sequence: the others end before `end`
             _zero_tail(v_tile, seqlen_k - (first_key + (n_tiles - 1) * BLOCK_N))
         acc = warpgroup_mma(p, v_tile, acc, is_async=True)
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
@@ -735,6 +733,8 @@ def attention_forward_hopper(
     if varlen is not None:
         if persistent:
             raise ValueError("a packed batch runs one Q block per program: persistent=False")
+        if not o.is_contiguous():  # the masked stores of a cut slab step heads by Dv and rows by H * Dv
+            raise ValueError("o must be a contiguous [total_q, H, Dv] tensor for a packed batch")
         # [total, H, D] seen as [1, H, total, D]: a head's rows of the whole packed tensor, one TMA box per tile.
         q, k, v, o = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v, o))
     B, H, Nq, D = q.shape
