@@ -369,12 +369,6 @@ if gluon is not None:
             lse2 = lse2 - slope2 * (rows - start_m).to(gl.float32)
         lse = gl.where(empty, float("-inf"), lse2 * 0.6931471805599453)
         o_tile = acc * gl.convert_layout(1.0 / l_safe, o_rows)[:, None]
-        if VARLEN:
-            lse_rows = lse_ptr + head.to(gl.int64) * total_q + row_origin
-            cut = start_m + ROWS > seqlen_q
-        else:
-            lse_rows = lse_ptr + bh.to(gl.int64) * seqlen_q
-            cut = False
         # O leaves through shared memory (this warpgroup's Q rows when Dv = D, which the products no longer read):
         # one TMA store (rows past Nq are dropped by the copy engine), or, for a slab that the end of a packed
         # sequence cuts, masked stores of its own rows.
@@ -383,11 +377,18 @@ if gluon is not None:
         o_slot.reshape([ROWS, BLOCK_DV]).store(o_tile.to(DTYPE))
         fence_async_shared()
         cta_barrier()
-        if cut:
-            o_head = o_ptr + (row_origin + start_m).to(gl.int64) * stride_o_row + head * BLOCK_DV
-            _store_rows_below(o_slot.reshape([ROWS, BLOCK_DV]), o_head, stride_o_row, seqlen_q - start_m)
+        if VARLEN:
+            # (a compile-time branch around the cut: Triton 3.6 fails to lower these masked stores under a run-time
+            # `if` whose condition is constant false)
+            lse_rows = lse_ptr + head.to(gl.int64) * total_q + row_origin
+            if start_m + ROWS > seqlen_q:
+                o_head = o_ptr + (row_origin + start_m).to(gl.int64) * stride_o_row + head * BLOCK_DV
+                _store_rows_below(o_slot.reshape([ROWS, BLOCK_DV]), o_head, stride_o_row, seqlen_q - start_m)
+            else:
+                tma_store(o_desc, [coord_batch, head, row_origin + start_m, 0], o_slot)
         else:
-            tma_store(o_desc, [coord_batch, head, row_origin + start_m, 0], o_slot)
+            lse_rows = lse_ptr + bh.to(gl.int64) * seqlen_q
+            tma_store(o_desc, [coord_batch, head, start_m, 0], o_slot)
         gl.store(lse_rows + rows, lse, mask=rows < seqlen_q)
         tma.store_wait(0)
 
