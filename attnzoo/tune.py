@@ -10,7 +10,13 @@ candidates once, ahead of time, and writes the winners to the disk cache that ev
 2. it runs forward and backward of ``triton_2kernel`` and ``triton_atomic`` for each (dtype, D, N, causal) inside
    :func:`attnzoo.kernels.tuning.autotuning`, which times every candidate per key and stores the winner.
 
+``--layout packed`` (or ``both``) tunes the packed kernels of ``attention_varlen``: their keys are their own
+(``varlen``), and a packed batch's best tile is not always the dense one's (bench/results/h100_varlen_tuning.log).
+The packed case is ``attnzoo.bench.varlen``'s: 16k tokens in sequences of lengths drawn uniformly from
+``[128, N]`` (seed 0), so that the longest falls in N's bucket.
+
     python -m attnzoo tune --dtype fp16,bf16 --d 64,128 --N 1k,2k,4k,8k,16k
+    python -m attnzoo tune --dtype bf16 --d 128 --N 4k --layout packed
 """
 
 from __future__ import annotations
@@ -19,6 +25,10 @@ import argparse
 import multiprocessing
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 BACKENDS = ("triton_2kernel", "triton_atomic")
@@ -39,15 +49,17 @@ def _lengths(text: str) -> list[int]:
     return out
 
 
-def _jobs(dtypes: list[str], head_dims: list[int], causals: list[bool]) -> list[tuple]:
-    """(dtype name, D, causal, kernel, config text): one compilation each, every candidate of every kernel."""
+def _jobs(dtypes: list[str], head_dims: list[int], causals: list[bool], layouts: list[int | None]) -> list[tuple]:
+    """(dtype name, D, causal, kernel, config text, layout): one compilation each, every candidate of every kernel
+    for each layout (None: dense; N: the packed case of N)."""
     import torch
 
     from .kernels.tuning import CANDIDATES, candidates, head_dim_tile
 
     device = torch.device("cuda")
     return [
-        (dtype, d, causal, kernel, str(cfg))
+        (dtype, d, causal, kernel, str(cfg), packed_n)
+        for packed_n in layouts
         for dtype in dtypes
         for d in head_dims
         for kernel in CANDIDATES
@@ -56,33 +68,69 @@ def _jobs(dtypes: list[str], head_dims: list[int], causals: list[bool]) -> list[
     ]
 
 
+def packed_case(dtype: torch.dtype, d: int, n: int, seed: int = 0):
+    """The packed batch that tunes the keys of longest sequence ``n``: 16k tokens, ``2048 // d`` heads, lengths drawn
+    uniformly from ``[min(128, n), n]`` -> ``(q, k, v, do, cu_seqlens, max_seqlen)`` (q, k, v, do ``[16384, H, d]``)."""
+    import torch
+
+    from .bench.varlen import draw_lengths
+    from .testing_varlen import cu_seqlens
+
+    lengths, _ = draw_lengths(16384, min(128, n), n, seed)
+    gen = torch.Generator(device="cuda").manual_seed(n + d)
+    shape = (16384, max(1, 2048 // d), d)
+    q, k, v, do = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
+    return q, k, v, do, cu_seqlens(lengths, "cuda"), max(lengths)
+
+
+def _run_both_ways(backend, q, k, v, do, causal: bool, packed: tuple | None) -> None:
+    """One forward and backward of ``backend``: dense on ``[B, H, N, D]`` q, k, v, do, or (``packed = (cu_seqlens,
+    max_seqlen)``) packed on ``[total, H, D]`` ones."""
+    if packed is None:
+        o, lse = backend.forward(q, k, v, causal=causal)
+        backend.backward(do, q, k, v, o, lse, causal=causal)
+        return
+    from .varlen import run_varlen_backward, run_varlen_forward, validate_varlen
+
+    cu, max_len = packed
+    problem = validate_varlen(q, k, v, cu, cu, max_len, max_len, causal)
+    o, lse = run_varlen_forward(backend, q, k, v, problem)
+    run_varlen_backward(backend, do, q, k, v, o, lse, problem)
+
+
 def compile_config(job: tuple) -> str:
-    """Compile one kernel config by running it once on small inputs (in a worker process); one report line."""
+    """Compile one kernel config by running it once (in a worker process); one report line.  Dense jobs run small
+    inputs, packed ones the packed case that the timing step runs (the same integer specialisations)."""
     import torch
 
     import attnzoo
 
-    dtype_name, d, causal, kernel, config = job
+    dtype_name, d, causal, kernel, config, packed_n = job
     dtype = getattr(torch, DTYPES[dtype_name])
     start = time.perf_counter()
     try:
-        for batch in (1, 2):
-            shape = (batch, _COMPILE_SHAPE["heads"], _COMPILE_SHAPE["seqlen"], d)
-            q, k, v, do = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(4))
+        if packed_n is None:
+            inputs = []
+            for batch in (1, 2):
+                shape = (batch, _COMPILE_SHAPE["heads"], _COMPILE_SHAPE["seqlen"], d)
+                inputs.append((tuple(torch.randn(shape, device="cuda", dtype=dtype) for _ in range(4)), None))
+        else:
+            q, k, v, do, cu, max_len = packed_case(dtype, d, packed_n)
+            inputs = [((q, k, v, do), (cu, max_len))]
+        for tensors, packed in inputs:
+            q, k, v, do = tensors
             if kernel == "atomic":
                 for delta in ("preprocess", "recompute"):
                     atomic = attnzoo.get("triton_atomic", delta=delta, configs={"atomic": config})
-                    atomic.backward(do, q, k, v, *atomic.forward(q, k, v, causal=causal), causal=causal)
+                    _run_both_ways(atomic, q, k, v, do, causal, packed)
                 continue
-            backend = attnzoo.get("triton_2kernel", configs={kernel: config})
-            o, lse = backend.forward(q, k, v, causal=causal)
-            if kernel != "forward":
-                backend.backward(do, q, k, v, o, lse, causal=causal)
+            _run_both_ways(attnzoo.get("triton_2kernel", configs={kernel: config}), q, k, v, do, causal, packed)
         torch.cuda.synchronize()
         outcome = "ok"
     except Exception as error:  # reported: the timing step falls back past configs that do not launch
         outcome = f"{type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
-    return f"{dtype_name} D={d} causal={causal} {kernel} {config}: {outcome} ({time.perf_counter() - start:.1f} s)"
+    label = f"{dtype_name} D={d} causal={causal}" + ("" if packed_n is None else f" packed N<={packed_n}")
+    return f"{label} {kernel} {config}: {outcome} ({time.perf_counter() - start:.1f} s)"
 
 
 def compile_all(jobs: list[tuple], workers: int, quiet: bool = False) -> None:
@@ -96,8 +144,16 @@ def compile_all(jobs: list[tuple], workers: int, quiet: bool = False) -> None:
             progress.advance(label, outcome)
 
 
-def tune(dtypes: list[str], head_dims: list[int], lengths: list[int], causals: list[bool], quiet: bool) -> list[str]:
-    """Time every key of the given shapes and store the winners; returns one report line per key tuned."""
+def tune(
+    dtypes: list[str],
+    head_dims: list[int],
+    lengths: list[int],
+    causals: list[bool],
+    quiet: bool,
+    layouts: tuple[bool, ...] = (False,),
+) -> list[str]:
+    """Time every key of the given shapes, dense and/or packed (``layouts``: False dense, True packed), and store the
+    winners; returns one report line per key tuned."""
     import torch
 
     import attnzoo
@@ -105,21 +161,32 @@ def tune(dtypes: list[str], head_dims: list[int], lengths: list[int], causals: l
     from .bench.progress import Progress
     from .kernels.tuning import autotuning, tuned_report
 
-    shapes = [(dtype, d, n, causal) for dtype in dtypes for d in head_dims for n in lengths for causal in causals]
+    shapes = [
+        (dtype, d, n, causal, packed)
+        for packed in layouts
+        for dtype in dtypes
+        for d in head_dims
+        for n in lengths
+        for causal in causals
+    ]
     progress = Progress(len(shapes), enabled=not quiet)
     with autotuning(True):
-        for dtype_name, d, n, causal in shapes:
+        for dtype_name, d, n, causal, packed in shapes:
             dtype = getattr(torch, DTYPES[dtype_name])
-            # The benchmark's shapes: 16k tokens and model width 2048 (SPEC.md's anchors).
-            batch, heads = max(1, 16384 // n), max(1, 2048 // d)
-            gen = torch.Generator(device="cuda").manual_seed(n + d)
-            q, k, v, do = (torch.randn(batch, heads, n, d, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
+            if packed:
+                q, k, v, do, cu, max_len = packed_case(dtype, d, n)
+                layout = (cu, max_len)
+            else:
+                # The benchmark's shapes: 16k tokens and model width 2048 (SPEC.md's anchors).
+                batch, heads = max(1, 16384 // n), max(1, 2048 // d)
+                gen = torch.Generator(device="cuda").manual_seed(n + d)
+                shape = (batch, heads, n, d)
+                q, k, v, do = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
+                layout = None
             for name in BACKENDS:
-                backend = attnzoo.get(name)
-                o, lse = backend.forward(q, k, v, causal=causal)
-                backend.backward(do, q, k, v, o, lse, causal=causal)
+                _run_both_ways(attnzoo.get(name), q, k, v, do, causal, layout)
             torch.cuda.synchronize()
-            progress.advance(f"{dtype_name} D={d} N={n} causal={causal}", "tuned")
+            progress.advance(f"{dtype_name} D={d} N={n} causal={causal}{' packed' if packed else ''}", "tuned")
     return list(tuned_report().values())
 
 
@@ -129,6 +196,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--d", default="64,128", help="head dims, comma list (default 64,128)")
     p.add_argument("--N", default="1k,2k,4k,8k,16k", help="sequence lengths, comma list; 2k = 2048")
     p.add_argument("--causal", default="both", choices=["yes", "no", "both"], help="masks to tune (default both)")
+    p.add_argument(
+        "--layout", default="dense", choices=["dense", "packed", "both"],
+        help="dense batches, packed ones (attention_varlen), or both (default dense)",
+    )  # fmt: skip
     p.add_argument("--workers", type=int, default=None, help="compilation processes (default: CPU count, at most 16)")
     p.add_argument("--skip-compile", action="store_true", help="no parallel compilation step")
     p.add_argument("--compile-only", action="store_true", help="only the parallel compilation step (no timing)")
@@ -148,6 +219,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.workers is not None and args.workers < 1:
         p.error(f"--workers must be >= 1, got {args.workers}")
     args.causals = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
+    args.packed_layouts = {"dense": (False,), "packed": (True,), "both": (False, True)}[args.layout]
     return args
 
 
@@ -165,10 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     if not args.skip_compile:
         workers = args.workers or min(16, os.cpu_count() or 1)
-        compile_all(_jobs(args.dtypes, args.head_dims, args.causals), workers, args.quiet)
+        # Dense kernels compile once for every N; packed ones on each N's own packed case.
+        layouts = [None] * (False in args.packed_layouts) + args.lengths * (True in args.packed_layouts)
+        compile_all(_jobs(args.dtypes, args.head_dims, args.causals, layouts), workers, args.quiet)
     if not args.compile_only:
-        for line in tune(args.dtypes, args.head_dims, args.lengths, args.causals, args.quiet):
-            print(line)
+        for line in tune(args.dtypes, args.head_dims, args.lengths, args.causals, args.quiet, args.packed_layouts):
+            print(f"[tuned] {line}")  # the lines bench/ship_tuning.py reads
         print(f"winners stored in {cache_file(current_identity())}")
     print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0

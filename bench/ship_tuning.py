@@ -1,4 +1,4 @@
-"""Regenerate a shipped tuning table (``attnzoo/tuning_data/*.json``) from ``attnzoo bench`` logs.
+"""Regenerate a shipped tuning table (``attnzoo/tuning_data/*.json``) from ``attnzoo bench`` and ``tune`` logs.
 
     python bench/ship_tuning.py bench/results/h100_bench_fp16.log bench/results/h100_bench_bf16.log \
         --gpu "NVIDIA H100 80GB HBM3" --out attnzoo/tuning_data/nvidia-h100-80gb-hbm3.json

@@ -16,6 +16,7 @@ from attnzoo import tune
         (["--N", "0"], "sequence lengths must be positive"),
         (["--N", "x"], "--d/--N"),
         (["--workers", "0"], "--workers must be >= 1"),
+        (["--layout", "padded"], "argument --layout: invalid choice"),
     ],
 )
 def test_bad_flags_are_usage_errors(argv, message, capsys):
@@ -23,6 +24,12 @@ def test_bad_flags_are_usage_errors(argv, message, capsys):
         tune.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_layout_picks_dense_packed_or_both():
+    assert tune.parse_args([]).packed_layouts == (False,)
+    assert tune.parse_args(["--layout", "packed"]).packed_layouts == (True,)
+    assert tune.parse_args(["--layout", "both"]).packed_layouts == (False, True)
 
 
 def test_lengths_read_k_suffixes():

@@ -23,6 +23,7 @@ Times are ``triton.testing.do_bench`` medians after warm-up; the backward is tim
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import random
 import sys
@@ -247,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--dtype", default="bf16", help="fp16, bf16 or both (comma-separated)")
     cli.add_argument("--out", type=Path, help="CSV to write")
     cli.add_argument("--plot", type=Path, help="PNG to write")
+    cli.add_argument(
+        "--autotune", action="store_true",
+        help="time every candidate config of each key first (the [tuned] lines can feed bench/ship_tuning.py)",
+    )  # fmt: skip
     args = cli.parse_args(argv)
     if not torch.cuda.is_available():
         print("python -m attnzoo.bench.varlen: error: needs a CUDA GPU", file=sys.stderr)
@@ -261,14 +266,21 @@ def main(argv: list[str] | None = None) -> int:
             writer.writerow(row)
             out.flush()
 
+    from attnzoo.kernels import tuning
+
     try:
-        rows = run(args, write)
+        with tuning.autotuning(True) if args.autotune else contextlib.nullcontext():
+            rows = run(args, write)
     finally:
         if out:
             out.close()
     if args.plot:
         plot(rows, args.plot)
     print(summary(rows))
+    for line in tuning.tuned_report().values():  # each timed key's candidates, fastest first
+        print(f"[tuned] {line}")
+    for key, (cfg, source) in tuning.chosen_configs().items():
+        print(f"[config] {key}: {cfg} ({source})")
     return 0
 
 
