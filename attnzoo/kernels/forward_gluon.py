@@ -487,6 +487,26 @@ if gluon is not None:
                 seqlen_k, packed)  # fmt: skip
 
     @gluon.jit
+    def _round_tile(tile, num_tiles, CAUSAL: gl.constexpr):
+        """The Q block a persistent program computes at grid position ``tile`` (``program_id + k * num_programs``):
+        with a causal mask, every odd round of ``num_programs`` tiles is taken in reverse.
+
+        The grid numbers a head's blocks longest first (``q_block_program``), and a round of 132 programs over
+        8 blocks per head (N = 1k) gives program p the blocks ``7 - p % 8`` and ``7 - (p + 4) % 8`` in turn: 12 K/V
+        tiles per two blocks for some programs, 6 for others, and the round waits for the longest.  Reversing odd
+        rounds pairs a long block with a short one (``m`` then about ``7 - m``): in a model of the schedule the
+        busiest program's tiles fall from 1.38x the mean to 1.03x at N = 1k (1.21x to 1.03x at 2k).  A round still
+        covers the same consecutive tiles, so the same heads' K/V are in L2."""
+        if CAUSAL:
+            programs = gl.num_programs(0)
+            round_index = tile // programs
+            if round_index % 2 == 1:
+                first = round_index * programs
+                size = gl.minimum(programs, num_tiles - first)
+                tile = first + size - 1 - (tile - first)
+        return tile
+
+    @gluon.jit
     def _attend_blocks(
         k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, q_empty, problem, num_tiles, qk_scale, cap_in, cap_out,
         WARPGROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
@@ -501,8 +521,8 @@ if gluon is not None:
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             q_round = (tile - gl.program_id(0)) // gl.num_programs(0)
             (bh, batch, head, kv_head, start_m, start, left_tiles, unmasked_tiles, n_tiles, slope2, seqlen_q,
-             seqlen_k, packed) = _q_block(tile, problem, 128, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, ALIBI,
-                                          False)  # fmt: skip
+             seqlen_k, packed) = _q_block(_round_tile(tile, num_tiles, CAUSAL), problem, 128, BLOCK_N, CAUSAL,
+                                          WINDOW_LEFT, WINDOW_RIGHT, ALIBI, False)  # fmt: skip
             scalars = (bh, batch, head, kv_head, start_m, seqlen_q, seqlen_k, start, left_tiles, unmasked_tiles,
                        n_tiles, qk_scale, q_round & 1, kv_base)  # fmt: skip
             _attend_rows(k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars,
@@ -523,8 +543,9 @@ if gluon is not None:
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             q_round = (tile - gl.program_id(0)) // gl.num_programs(0)
             _, batch, head, kv_head, start_m, start, _, _, n_tiles, _, _, seqlen_k, _ = _q_block(
-                tile, problem, 128, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, False, False
-            )
+                _round_tile(tile, num_tiles, CAUSAL), problem, 128, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, False,
+                False,
+            )  # fmt: skip
             _load_tiles(q_desc, k_desc, q2_desc, k2_desc, v_desc, smem, bars, q_empty, batch, head, kv_head,
                         start_m, start, n_tiles, kv_base, q_round, seqlen_k, q_empty, BLOCK_N, BLOCK_D2,
                         NUM_WARPGROUPS, NUM_STAGES, True, False)  # fmt: skip
