@@ -83,19 +83,21 @@ def packed_case(dtype: torch.dtype, d: int, n: int, seed: int = 0):
     return q, k, v, do, cu_seqlens(lengths, "cuda"), max(lengths)
 
 
-def _run_both_ways(backend, q, k, v, do, causal: bool, packed: tuple | None) -> None:
-    """One forward and backward of ``backend``: dense on ``[B, H, N, D]`` q, k, v, do, or (``packed = (cu_seqlens,
-    max_seqlen)``) packed on ``[total, H, D]`` ones."""
+def _run_both_ways(backend, q, k, v, do, causal: bool, packed: tuple | None, backward: bool = True) -> None:
+    """One forward (and with ``backward`` one backward) of ``backend``: dense on ``[B, H, N, D]`` q, k, v, do, or
+    (``packed = (cu_seqlens, max_seqlen)``) packed on ``[total, H, D]`` ones."""
     if packed is None:
         o, lse = backend.forward(q, k, v, causal=causal)
-        backend.backward(do, q, k, v, o, lse, causal=causal)
+        if backward:
+            backend.backward(do, q, k, v, o, lse, causal=causal)
         return
     from .varlen import run_varlen_backward, run_varlen_forward, validate_varlen
 
     cu, max_len = packed
     problem = validate_varlen(q, k, v, cu, cu, max_len, max_len, causal)
     o, lse = run_varlen_forward(backend, q, k, v, problem)
-    run_varlen_backward(backend, do, q, k, v, o, lse, problem)
+    if backward:
+        run_varlen_backward(backend, do, q, k, v, o, lse, problem)
 
 
 def compile_config(job: tuple) -> str:
@@ -124,7 +126,9 @@ def compile_config(job: tuple) -> str:
                     atomic = attnzoo.get("triton_atomic", delta=delta, configs={"atomic": config})
                     _run_both_ways(atomic, q, k, v, do, causal, packed)
                 continue
-            _run_both_ways(attnzoo.get("triton_2kernel", configs={kernel: config}), q, k, v, do, causal, packed)
+            backend = attnzoo.get("triton_2kernel", configs={kernel: config})
+            # A forward config needs no backward (which would compile the backward kernels' picks in every job).
+            _run_both_ways(backend, q, k, v, do, causal, packed, backward=kernel != "forward")
         torch.cuda.synchronize()
         outcome = "ok"
     except Exception as error:  # reported: the timing step falls back past configs that do not launch
