@@ -135,7 +135,7 @@ def gluon_source(
             rows = q_rows if name in ("q_desc", "q2_desc", "o_desc", "do_desc") else cfg.block_n
             width = {"v_desc": dv, "o_desc": dv, "q2_desc": d_second or d_first, "k2_desc": d_second or d_first}
             signature[name] = descriptor(rows, width.get(name, d_first))
-        elif name == "o_ptr":  # the forward's packed o (varlen's rows past a sequence end)
+        elif name in ("o_ptr", "dk_ptr", "dv_ptr"):  # packed outputs (the rows of a slab cut by a sequence end)
             signature[name] = f"*{DTYPES[dtype]}"
         elif name.endswith("_ptr") or name in INT32_POINTERS:
             signature[name] = "*i32" if name in INT32_POINTERS else "*fp32"

@@ -1,5 +1,6 @@
 """SPEC.md's packed variable-length batches on a CUDA GPU: the compiled Triton kernels (and torch_fa2 on CUDA) against
-the float64 oracle per sequence, longer sequences than CI's, every dtype (bfloat16 included); sequences isolated;
+the float64 oracle per sequence, longer sequences than CI's, every dtype (bfloat16 included); the Gluon forward and
+dK/dV kernels pinned, config by config; sequences isolated;
 ``torch.compile(fullgraph=True)`` with no host synchronisation when the hints are given; CUDA graph capture; opcheck.
 Run with ``pytest -m gpu``."""
 
@@ -53,30 +54,44 @@ def test_long_sequences(name, case):
 
 # The Gluon forward's own configs, pinned (persistent ones run their Triton twin on packed batches).
 GLUON_FORWARD = [c for c in CANDIDATES["forward"] if c.gluon and not c.persistent]
-PINNED = [(name, None) for name in TRITON] + [("triton_2kernel", cfg) for cfg in GLUON_FORWARD]
+GLUON_DKDV = [c for c in CANDIDATES["dkdv"] if c.gluon]
+# (backend, pinned configs): the Triton kernels as tuned, then each Gluon config of the forward and of dK/dV.
+PINNED = (
+    [(name, None) for name in TRITON]
+    + [("triton_2kernel", {"forward": cfg}) for cfg in GLUON_FORWARD]
+    + [("triton_2kernel", {"dkdv": cfg}) for cfg in GLUON_DKDV]
+)
 
 
-@pytest.mark.parametrize(("name", "forward"), PINNED, ids=str)
-def test_rows_never_see_keys_of_another_sequence(name, forward):
-    """A NaN in sequence 1's K and V reaches no row of another sequence.  For the Gluon forward this is the check of
-    its zeroed V rows: a TMA box of a sequence's last K/V tile reads the next sequence's rows, where P = 0, and
-    0 * NaN would be NaN."""
-    if forward is not None and torch.cuda.get_device_capability()[0] != 9:
+def _pinned_id(value) -> str:
+    return "tuned" if value is None else str(value) if isinstance(value, str) else "-".join(map(str, value.values()))
+
+
+@pytest.mark.parametrize("inputs", ["kv", "q-do-kv"])
+@pytest.mark.parametrize(("name", "configs"), PINNED, ids=_pinned_id)
+def test_rows_never_see_another_sequence(name, configs, inputs):
+    """A NaN in sequence 1's K and V (and its Q and dO) reaches no row of another sequence.  For the Gluon kernels
+    this is the check of their zeroed rows: a TMA box of a sequence's last tile reads the next sequence's rows,
+    where P = 0, and 0 * NaN would be NaN (V for the forward; Q and dO for dK/dV)."""
+    if configs is not None and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels need an sm_90 GPU")
-    backend = attnzoo.get(name) if forward is None else attnzoo.get(name, configs={"forward": forward})
+    backend = attnzoo.get(name) if configs is None else attnzoo.get(name, configs=configs)
     x = random_varlen_inputs((190, 300, 77), (230, 300, 64), 4, 2, 64, dtype=F16, device="cuda", seed=5)
     clean = run_varlen_backend(backend, x, causal=False)
     rows_q, rows_k = x.rows(1)
-    k, v = x.k.clone(), x.v.clone()
-    k[rows_k], v[rows_k] = float("nan"), float("nan")
-    poisoned = run_varlen_backend(backend, type(x)(**{**vars(x), "k": k, "v": v}), causal=False)
+    poison = {"k": rows_k, "v": rows_k} | ({"q": rows_q, "do": rows_q} if inputs == "q-do-kv" else {})
+    changed = {}
+    for field, rows in poison.items():
+        changed[field] = getattr(x, field).clone()
+        changed[field][rows] = float("nan")
+    poisoned = run_varlen_backend(backend, type(x)(**{**vars(x), **changed}), causal=False)
     for out, rows in (("o", rows_q), ("dq", rows_q), ("dk", rows_k), ("dv", rows_k)):
         outside = torch.ones(clean[out].shape[0], dtype=torch.bool, device="cuda")
         outside[rows] = False
         assert torch.isfinite(poisoned[out][outside]).all(), f"{out}: NaN outside sequence 1"
         if name == "triton_2kernel" or out in ("o", "dq"):  # the atomic dK/dV sum in a varying order
             assert torch.equal(poisoned[out][outside], clean[out][outside]), f"{out} of another sequence changed"
-    assert forward is None or gluon_unavailable_reason() is None, gluon_unavailable_reason()
+    assert configs is None or gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
 
 # Lengths around the tile sizes (0, 1, 63-65, 127-129, one tile exactly), Nq != Nk, the modifiers, D = 192 / Dv = 128,
@@ -99,7 +114,7 @@ GLUON_CASES = {
 @pytest.mark.parametrize("forward", GLUON_FORWARD, ids=str)
 def test_gluon_forward_on_packed_batches(forward, dtype, case):
     """Every non-persistent Gluon forward config, pinned, on packed batches: o and lse of each sequence (and the
-    gradients, from the Triton backward on that forward's o and lse) within SPEC.md's bound of the float64 oracle;
+    gradients, from the tuned backward on that forward's o and lse) within SPEC.md's bound of the float64 oracle;
     every row of o written (the outputs start as NaN)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels need an sm_90 GPU")
@@ -110,6 +125,35 @@ def test_gluon_forward_on_packed_batches(forward, dtype, case):
         pytest.skip(f"{forward} does not fit the shared memory at D={dims[0]} Dv={dims[1]} (the tuner drops it)")
     _check(attnzoo.get("triton_2kernel", configs={"forward": forward}), case)
     # A Gluon compilation error would have switched the Triton twin in, with a warning only.
+    assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
+
+
+# Every case in the Gluon dK/dV kernel's scope (D = 64 or 128, no modifiers): key blocks cut by a sequence's end at
+# 1, 63-65 and 127-129 keys, Q tiles cut likewise, empty sequences, Nq != Nk, GQA, a heads-major layout.
+GLUON_DKDV_CASES = {
+    "causal-d128": GLUON_CASES["causal"],
+    "full-d64-gqa": VarlenCase(
+        (64, 129, 0, 200, 1), (63, 128, 5, 257, 1), 8, 2, 64, 64, False, None, 0.0, "none", F16, "heads-major",
+        None, 6,
+    ),
+    "causal-d64": VarlenCase(
+        (300, 65, 127), (330, 64, 129), 4, 4, 64, 64, True, None, 0.0, "none", F16, "contiguous", None, 7
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(GLUON_DKDV_CASES))
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+@pytest.mark.parametrize("dkdv", GLUON_DKDV, ids=str)
+def test_gluon_dkdv_on_packed_batches(dkdv, dtype, case):
+    """Every Gluon dK/dV config, pinned, on packed batches: dk and dv of each sequence within SPEC.md's bound of the
+    float64 oracle (with o, lse and dq of the tuned kernels), every row written (the outputs start as NaN)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels need an sm_90 GPU")
+    case = dataclasses.replace(GLUON_DKDV_CASES[case], dtype=dtype)
+    if dkdv not in candidates("dkdv", head_dim_tile(case.head_dim), dtype, torch.device("cuda")):
+        pytest.skip(f"{dkdv} does not fit the shared memory at D={case.head_dim} (the tuner drops it)")
+    _check(attnzoo.get("triton_2kernel", configs={"dkdv": dkdv}), case)
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
 

@@ -77,16 +77,18 @@ def test_the_gluon_kernels_keep_a_product_in_flight_during_the_softmax(kernel):
                 assert any(w.endswith("x1") for w in waits), line
 
 
-def test_the_gluon_forward_compiles_for_packed_batches():
-    """The packed-batch (varlen) build of each one-block-per-program Gluon forward config compiles with its product
-    kept in flight.  The producer warp's zeroing of the V rows past a sequence spills a few words there (8-28 B
-    stored, once per Q block, in the warp that issues the copies: the products' warpgroups spill nothing)."""
+@pytest.mark.parametrize("kernel", ["forward", "dkdv"])
+def test_the_gluon_kernels_compile_for_packed_batches(kernel):
+    """The packed-batch (varlen) build of each one-block-per-program Gluon config (forward and dK/dV) compiles with
+    a product kept in flight.  The zeroing of the rows past a sequence spills a few words there (the forward's
+    producer warp: 8-28 B stored, once per Q block; dK/dV at D = 128 with the causal mask, at the 255-register
+    limit: a few words)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     from attnzoo.kernels.tuning import CANDIDATES
 
-    for cfg in (c for c in CANDIDATES["forward"] if c.gluon and not c.persistent):
+    for cfg in (c for c in CANDIDATES[kernel] if c.gluon and not c.persistent):
         flags = ",".join(map(str, (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages))) + ",gluon"
-        (line,) = _ptx_report("--kernel", "forward", "--d", "128", "--config", flags, "--causal", "--modifiers",
+        (line,) = _ptx_report("--kernel", kernel, "--d", "128", "--config", flags, "--causal", "--modifiers",
                               "varlen")  # fmt: skip
         spills = re.search(r"spill (\d+)/(\d+) B", line)
         assert spills and int(spills.group(1)) <= 64 and int(spills.group(2)) <= 128, line

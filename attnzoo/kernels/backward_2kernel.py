@@ -375,6 +375,7 @@ def attention_backward_2kernel(
                 attention_dkdv_hopper(
                     q, k, v, do, lse2, delta, dk, dv, call.scale, call.causal, modifiers,
                     cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                    varlen=call.varlen_args if call.varlen else None,
                 )  # fmt: skip
                 return
             except CompilationError as error:  # Gluon's API drifted (frontend error): the Triton kernel's tiles serve

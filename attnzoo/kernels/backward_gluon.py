@@ -28,9 +28,15 @@ lse2 loads as +inf), and K/V rows past Nk give gradient rows that the TMA store 
 diagonal apply a mask.  On the H100 the whole backward ran 1.02-1.07x faster than with the best Triton dK/dV tile at
 D=128 and 0.84-0.96x at D=64 (fp16; the autotuner chooses; docs/design.md).
 
-Scope (``KernelVariant.DKDV.gluon_scope`` in ``launch.py``): that of the Gluon forward, and dO addressable by TMA.
-``seqlens_k`` is out of it: K/V rows past ``seqlens_k[b]`` may hold NaN, which ``dP^T`` would carry into dK rows that
-must be 0.
+Scope (``KernelVariant.DKDV.gluon_scope`` in ``launch.py``): D = 64 or 128, no score modifiers (windows, the soft
+cap and ALiBi run the Triton kernel), dO addressable by TMA.  ``seqlens_k`` is out of it: K/V rows past
+``seqlens_k[b]`` may hold NaN, which ``dP^T`` would carry into dK rows that must be 0.
+
+Packed batches (VARLEN, ``attention_varlen``) run on ``[1, H, total, D]`` views, one K/V block of one sequence per
+program.  A Q/dO box of a sequence's last Q tile reaches into the next sequence's rows: those rows are zeroed in
+shared memory before the tile's products (``zero_rows_from``; lse2 = +inf already makes P^T 0 there, but 0 * NaN is
+not).  K/V rows past the sequence need nothing (a dK/dV row depends on its own key only), and a block that the
+sequence's end cuts leaves by masked stores.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .common import LOG2E, q_loop_bounds
+from .common import LOG2E, kv_block_opening, q_loop_bounds
 from .gluon_hopper import (
     accumulator_layout,
     cta_barrier,
@@ -48,12 +54,14 @@ from .gluon_hopper import (
     gluon,
     mbarrier,
     ring_wait,
+    store_rows_below,
     tile_descriptor,
     tma,
     tma_load,
     tma_store,
     warpgroup_mma,
     warpgroup_mma_wait,
+    zero_rows_from,
 )
 
 if TYPE_CHECKING:
@@ -63,16 +71,17 @@ if gluon is not None:
 
     @gluon.jit
     def _load_q_do_tile(
-        q_desc, do_desc, bars, q_ring, do_ring, index, n_iters, tiles_per_head, lo, batch, first_head,
+        q_desc, do_desc, bars, q_ring, do_ring, index, n_iters, tiles_per_head, lo, batch, first_head, row_origin,
         BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
     ):  # fmt: skip
         """Start the TMA copies of the Q and dO tiles of iteration ``index`` into their ring slots, both completing
         on the slot's one mbarrier (nothing past the loop's end).
 
         The loop runs over the group's query heads, then over the Q tiles ``[lo, hi)`` of each: iteration ``index``
-        is tile ``index % tiles_per_head`` of head ``first_head + index // tiles_per_head``."""
+        is tile ``index % tiles_per_head`` of head ``first_head + index // tiles_per_head``.  Its box starts at row
+        ``row_origin + start_m`` (a packed sequence's first row, else 0) of ``batch`` (0 for a packed batch)."""
         g = index // tiles_per_head
-        start_m = lo + (index - g * tiles_per_head) * BLOCK_M
+        start_m = row_origin + lo + (index - g * tiles_per_head) * BLOCK_M
         pred = index < n_iters
         slot = index % NUM_STAGES
         bar = bars.index(slot)
@@ -80,7 +89,10 @@ if gluon is not None:
         tma_load(q_desc, [batch, first_head + g, start_m, 0], bar, q_ring.index(slot), pred=pred)
         tma_load(do_desc, [batch, first_head + g, start_m, 0], bar, do_ring.index(slot), pred=pred)
 
-    @gluon.jit(do_not_specialize=["num_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "num_n_blocks"])
+    @gluon.jit(do_not_specialize=[
+        "num_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "num_n_blocks", "num_sequences",
+        "search_steps",
+    ])  # fmt: skip
     def attention_dkdv_hopper_kernel(
         q_desc,
         k_desc,
@@ -98,17 +110,31 @@ if gluon is not None:
         num_n_blocks,
         sm_scale,
         qk_scale,
+        dk_ptr,
+        dv_ptr,
+        stride_dkv_row,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        num_sequences,
+        search_steps,
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
         BLOCK_D: gl.constexpr,
         CAUSAL: gl.constexpr,
         NUM_STAGES: gl.constexpr,
         IS_FP16: gl.constexpr,
+        VARLEN: gl.constexpr,
     ):
         """dK, dV of one block of BLOCK_N keys of one (batch, kv head); grid: 1-d, num_n_blocks * B * Hkv programs
         (as ``backward_2kernel.dkdv_kernel``), summed over the ``group_size`` query heads that read the kv head.
 
         One warpgroup (4 warps of 16 keys) per 64 keys of the block: BLOCK_N = 16 * num_warps.
+
+        VARLEN (a packed batch): the descriptors are over ``[1, H, total, D]`` views of the packed tensors,
+        ``seqlen_q``/``seqlen_k`` are the totals, the grid is ``num_n_blocks = total_k // BLOCK_N + B`` slots per kv
+        head (``common.kv_block_opening``; idle slots return at once), lse2/Delta are ``[H, total_q]``, and
+        ``dk_ptr``/``dv_ptr`` with ``stride_dkv_row`` address the packed dK/dV for the rows a TMA store may not
+        write.  Dense calls do not read these arguments.
         """
         NUM_WARPS: gl.constexpr = gl.num_warps()
         gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "one warpgroup per 64 keys: BLOCK_N must be 16 * num_warps")
@@ -122,11 +148,28 @@ if gluon is not None:
         row_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
 
         pid = gl.program_id(0)
-        bh_kv = pid // num_n_blocks
-        n_block = pid % num_n_blocks
-        batch = bh_kv // num_kv_heads
-        kv_head = bh_kv % num_kv_heads
-        start_n = n_block * BLOCK_N
+        if VARLEN:
+            # Rows and keys count within the sequence; a TMA box of it starts at [0, head, origin + row, 0].
+            # (cu_seqlens_q stands in for seqlens_k, which the scope excludes.)
+            _, kv_head, start_n, q_origin, k_origin, seq_q, seq_k, _ = kv_block_opening(
+                pid, num_n_blocks, num_kv_heads, cu_seqlens_q, seqlen_q, seqlen_k,
+                (cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps), BLOCK_N, False, True,
+            )  # fmt: skip
+            if start_n >= seq_k:  # an idle slot of the packed grid
+                return
+            batch = 0
+            stats_base = q_origin
+        else:
+            bh_kv = pid // num_n_blocks
+            n_block = pid % num_n_blocks
+            batch = bh_kv // num_kv_heads
+            kv_head = bh_kv % num_kv_heads
+            start_n = n_block * BLOCK_N
+            q_origin = 0
+            k_origin = 0
+            seq_q = seqlen_q
+            seq_k = seqlen_k
+            stats_base = 0
         first_head = kv_head * group_size
 
         # Q tiles [lo, unmasked_lo) cross the causal diagonal and need the mask; rows before lo see none of the
@@ -135,11 +178,11 @@ if gluon is not None:
         # of a whole block: its end is passed as the key count.
         # No window here (the scope sends windowed calls to backward_2kernel.py): no third stage.
         lo, unmasked_lo, _unmasked_hi, hi = q_loop_bounds(
-            start_n, seqlen_q, seqlen_k, start_n + BLOCK_N, 0, 0, CAUSAL, False, False, BLOCK_M, BLOCK_N
+            start_n, seq_q, seq_k, start_n + BLOCK_N, 0, 0, CAUSAL, False, False, BLOCK_M, BLOCK_N
         )
         tiles_per_head = (hi - lo) // BLOCK_M
         n_iters = tiles_per_head * group_size
-        diagonal_offset = seqlen_k - seqlen_q
+        diagonal_offset = seq_k - seq_q
 
         k_smem = gl.allocate_shared_memory(DTYPE, k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(DTYPE, v_desc.block_type.shape, v_desc.layout)
@@ -153,12 +196,12 @@ if gluon is not None:
         fence_async_shared()
 
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma_load(k_desc, [batch, kv_head, start_n, 0], kv_bar, k_smem)
-        tma_load(v_desc, [batch, kv_head, start_n, 0], kv_bar, v_smem)
+        tma_load(k_desc, [batch, kv_head, k_origin + start_n, 0], kv_bar, k_smem)
+        tma_load(v_desc, [batch, kv_head, k_origin + start_n, 0], kv_bar, v_smem)
         for i in gl.static_range(NUM_STAGES):
             _load_q_do_tile(
                 q_desc, do_desc, q_do_bars, q_ring, do_ring, i, n_iters, tiles_per_head, lo, batch, first_head,
-                BLOCK_M, NUM_STAGES,
+                q_origin, BLOCK_M, NUM_STAGES,
             )  # fmt: skip
         mbarrier.wait(kv_bar, 0)
         k_tile = k_smem.reshape([BLOCK_N, BLOCK_D])
@@ -178,16 +221,24 @@ if gluon is not None:
             rows = start_m + local_rows
             # lse2 of this Q tile's rows, loaded before the wait so that its latency hides behind it (Delta, needed
             # later, is loaded after it: fewer registers live at once).  Padding rows: lse2 = +inf gives P = 0.
-            stats = (batch * num_heads + first_head + g).to(gl.int64) * seqlen_q + rows
-            lse2 = gl.load(lse2_ptr + stats, mask=rows < seqlen_q, other=float("inf"))
+            # Dense [B, H, Nq]; packed [H, total_q] from the sequence's first row.
+            stats = (batch * num_heads + first_head + g).to(gl.int64) * seqlen_q + stats_base + rows
+            lse2 = gl.load(lse2_ptr + stats, mask=rows < seq_q, other=float("inf"))
 
             q_tile = ring_wait(q_do_bars, q_ring, t, BLOCK_M, BLOCK_D, NUM_STAGES)
             do_tile = do_ring.index(t % NUM_STAGES).reshape([BLOCK_M, BLOCK_D])
+            if VARLEN:  # noqa: SIM102 - a compile-time branch around a runtime one
+                if start_m + BLOCK_M > seq_q:
+                    # The box's rows past the sequence are the next sequence's: P^T and dS^T are 0 in their
+                    # columns, but a non-finite Q or dO value there would make dK/dV NaN through the products.
+                    zero_rows_from(q_tile, seq_q - start_m, NUM_WARPS)
+                    zero_rows_from(do_tile, seq_q - start_m, NUM_WARPS)
+                    cta_barrier()  # every warp's zeros land before any warpgroup's products read the tiles
             s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_t, use_acc=False, is_async=True)
             dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), dp_t, use_acc=False, is_async=True)
             # wgmma groups complete in order: one outstanding means S^T is done and dP^T may still run.
             s_t = warpgroup_mma_wait(1, deps=(s_t,))
-            delta = gl.load(delta_ptr + stats, mask=rows < seqlen_q, other=0.0)
+            delta = gl.load(delta_ptr + stats, mask=rows < seq_q, other=0.0)
             p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
             if CAUSAL:  # noqa: SIM102 - a compile-time test: without CAUSAL no mask code is emitted at all
                 if start_m < unmasked_lo:
@@ -204,21 +255,33 @@ if gluon is not None:
             cta_barrier()
             _load_q_do_tile(
                 q_desc, do_desc, q_do_bars, q_ring, do_ring, t + NUM_STAGES, n_iters, tiles_per_head, lo,
-                batch, first_head, BLOCK_M, NUM_STAGES,
+                batch, first_head, q_origin, BLOCK_M, NUM_STAGES,
             )  # fmt: skip
 
         mbarrier.invalidate(kv_bar)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(q_do_bars.index(i))
 
-        # dK and dV leave through K's and V's shared memory and two TMA stores (rows past Nk are dropped).  A block
-        # that no query row sees (lo == hi) stores zeros.
-        k_smem.reshape([BLOCK_N, BLOCK_D]).store((dk * sm_scale).to(DTYPE))
-        v_smem.reshape([BLOCK_N, BLOCK_D]).store(dv.to(DTYPE))
+        # dK and dV leave through K's and V's shared memory and two TMA stores (rows past Nk are dropped), or, for a
+        # block that the end of a packed sequence cuts, masked stores of its own rows.  A block that no query row
+        # sees (lo == hi) stores zeros.
+        dk_tile = k_smem.reshape([BLOCK_N, BLOCK_D])
+        dv_tile = v_smem.reshape([BLOCK_N, BLOCK_D])
+        dk_tile.store((dk * sm_scale).to(DTYPE))
+        dv_tile.store(dv.to(DTYPE))
         fence_async_shared()
         cta_barrier()
-        tma_store(dk_desc, [batch, kv_head, start_n, 0], k_smem)
-        tma_store(dv_desc, [batch, kv_head, start_n, 0], v_smem)
+        if VARLEN:  # (compile-time, as the forward's O store: no masked stores in dense builds)
+            if start_n + BLOCK_N > seq_k:
+                row = (k_origin + start_n).to(gl.int64) * stride_dkv_row + kv_head * BLOCK_D
+                store_rows_below(dk_tile, dk_ptr + row, stride_dkv_row, seq_k - start_n, NUM_WARPS)
+                store_rows_below(dv_tile, dv_ptr + row, stride_dkv_row, seq_k - start_n, NUM_WARPS)
+            else:
+                tma_store(dk_desc, [batch, kv_head, k_origin + start_n, 0], k_smem)
+                tma_store(dv_desc, [batch, kv_head, k_origin + start_n, 0], v_smem)
+        else:
+            tma_store(dk_desc, [batch, kv_head, start_n, 0], k_smem)
+            tma_store(dv_desc, [batch, kv_head, start_n, 0], v_smem)
         tma.store_wait(0)
 
 
@@ -238,22 +301,38 @@ def attention_dkdv_hopper(
     block_n: int = 128,
     num_warps: int = 8,
     num_stages: int = 2,
+    varlen: tuple | None = None,
 ) -> None:
     """Write ``dk``, ``dv`` ``[B, Hkv, Nk, D]`` (contiguous, dtype of q; summed over each head group).
 
     ``q``, ``do`` ``[B, H, Nq, D]``, ``k``/``v`` ``[B, Hkv, Nk, D]``, in the scope that
     ``KernelVariant.DKDV.gluon_scope`` (``launch.py``) checks; ``lse2`` (lse * log2(e), +inf on empty rows) and
     ``delta`` (rowsum(dO * O)) ``[B, H, Nq]`` float32 contiguous, as the dQ kernel writes them.
+
+    ``varlen = (cu_seqlens_q, cu_seqlens_k, B, search_steps)``: a packed batch (``launch.PreparedCall.varlen_args``),
+    q, do ``[total_q, H, D]``, k, v ``[total_k, Hkv, D]``, dk, dv ``[total_k, Hkv, D]`` (contiguous), lse2 and
+    delta ``[H, total_q]``.
     """
+    dk_rows, dv_rows = dk, dv  # packed: the [total_k, Hkv, D] tensors that the masked stores address
+    if varlen is not None:
+        if not (dk.is_contiguous() and dv.is_contiguous()):  # the masked stores step rows by Hkv * D
+            raise ValueError("dk and dv must be contiguous [total_k, Hkv, D] tensors for a packed batch")
+        # [total, H, D] seen as [1, H, total, D]: a head's rows of the whole packed tensor, one TMA box per tile.
+        q, k, v, do, dk, dv = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v, do, dk, dv))
+        sequences = varlen
+    else:
+        sequences = (lse2, lse2, 0, 0)  # not read
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     if block_n != 16 * num_warps:
         raise ValueError(f"block_n={block_n} with num_warps={num_warps}: the kernel needs block_n = 16 * num_warps")
-    num_n_blocks = -(-Nk // block_n)
+    # Packed: slots per kv head (common.kv_block_opening), at most one idle slot per sequence.
+    num_n_blocks = -(-Nk // block_n) if varlen is None else Nk // block_n + varlen[2]
     attention_dkdv_hopper_kernel[(num_n_blocks * B * Hkv,)](
         tile_descriptor(q, block_m), tile_descriptor(k, block_n), tile_descriptor(v, block_n),
         tile_descriptor(do, block_m), tile_descriptor(dk, block_n), tile_descriptor(dv, block_n), lse2, delta,
-        H, Hkv, H // Hkv, Nq, Nk, num_n_blocks, scale, scale * LOG2E,
+        H, Hkv, H // Hkv, Nq, Nk, num_n_blocks, scale, scale * LOG2E, dk_rows, dv_rows, dk_rows.stride(0),
+        *sequences,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=D, CAUSAL=causal, NUM_STAGES=num_stages,
-        IS_FP16=q.dtype == torch.float16, num_warps=num_warps,
+        IS_FP16=q.dtype == torch.float16, VARLEN=varlen is not None, num_warps=num_warps,
     )  # fmt: skip

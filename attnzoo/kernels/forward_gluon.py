@@ -67,12 +67,14 @@ from .gluon_hopper import (
     ring_load,
     ring_load_pair,
     ring_wait,
+    store_rows_below,
     tile_descriptor,
     tma,
     tma_load,
     tma_store,
     warpgroup_mma,
     warpgroup_mma_wait,
+    zero_rows_from,
 )
 from .launch import sm_count
 
@@ -155,50 +157,11 @@ if gluon is not None:
         return p_op, alpha, m_new, l_i
 
     @gluon.jit
-    def _zero_rows_from(tile, first_zero, NUM_WARPS: gl.constexpr):
-        """Zero the rows ``first_zero ..`` of a ``[ROWS, COLS]`` shared-memory tile, a few rows at a time (8 for the
-        producer warp; slices follow the 8-row swizzle pattern), and make the writes visible to the tensor cores'
-        reads.  The unrolled chunks spill a few words in the producer warp (8-28 B stored), once per Q block.
-
-        A packed sequence's last K/V tile reaches into the next sequence's rows (a TMA box zero-fills only past the
-        whole tensor).  P is 0 there, but ``0 * inf`` and ``0 * NaN`` are NaN: a non-finite value in the next
-        sequence's V would reach this sequence's rows through ``P V``.  K needs no such care: its scores there are
-        replaced by ``-inf``."""
-        ROWS: gl.constexpr = tile.type.shape[0]
-        COLS: gl.constexpr = tile.type.shape[1]
-        CHUNK: gl.constexpr = 8 if NUM_WARPS == 1 else 16
-        LANE_COLS: gl.constexpr = 32 if COLS // 8 > 32 else COLS // 8
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // LANE_COLS, LANE_COLS], [NUM_WARPS, 1], [1, 0])
-        for c in gl.static_range(ROWS // CHUNK):
-            part = tile.slice(c * CHUNK, CHUNK)
-            values = part.load(layout)
-            row = c * CHUNK + gl.arange(0, CHUNK, gl.SliceLayout(1, layout))
-            part.store(gl.where(row[:, None] >= first_zero, gl.zeros_like(values), values))
-        fence_async_shared()
-
-    @gluon.jit
-    def _store_rows_below(tile, first_row_ptr, stride_row, rows_kept):
-        """Store the rows ``0 .. rows_kept - 1`` of a ``[ROWS, COLS]`` shared-memory tile (one warpgroup) to global
-        rows ``first_row_ptr + r * stride_row``, 16 rows at a time: the end of a packed sequence inside a slab, whose
-        later rows belong to the next sequence."""
-        ROWS: gl.constexpr = tile.type.shape[0]
-        COLS: gl.constexpr = tile.type.shape[1]
-        CHUNK: gl.constexpr = 16
-        LANE_COLS: gl.constexpr = 32 if COLS // 8 > 32 else COLS // 8
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // LANE_COLS, LANE_COLS], [4, 1], [1, 0])
-        cols = gl.arange(0, COLS, gl.SliceLayout(0, layout))
-        for c in gl.static_range(ROWS // CHUNK):
-            row = c * CHUNK + gl.arange(0, CHUNK, gl.SliceLayout(1, layout))
-            values = tile.slice(c * CHUNK, CHUNK).load(layout)
-            at = first_row_ptr + row.to(gl.int64)[:, None] * stride_row + cols[None, :]
-            gl.store(at, values, mask=(row < rows_kept)[:, None])
-
-    @gluon.jit
     def _zero_tail(tile, first_zero):
-        """``_zero_rows_from`` by the one warpgroup that both loads and reads ``tile`` (the 64-row block), when the
+        """``zero_rows_from`` by the one warpgroup that both loads and reads ``tile`` (the 64-row block), when the
         tile reaches past its sequence; every warp's writes land before the product that reads the tile."""
         if first_zero < tile.type.shape[0]:
-            _zero_rows_from(tile, first_zero, 4)
+            zero_rows_from(tile, first_zero, 4)
             cta_barrier()
 
     @gluon.jit
@@ -247,7 +210,7 @@ if gluon is not None:
         Dense: ``(batch, 0, 0, ..)``.  VARLEN (a packed sequence, descriptors over ``[1, H, total, D]``): ``(0,
         cu_seqlens_q[b], cu_seqlens_k[b], total_q, ..)``; lse is ``[H, total_q]``, a slab of rows cut by the
         sequence's end leaves by masked stores from shared memory (a TMA box would write the next sequence's rows), and
-        (INLINE_LOADS) the warpgroup zeroes the rows of its last V tile past the sequence (``_zero_rows_from``; the
+        (INLINE_LOADS) the warpgroup zeroes the rows of its last V tile past the sequence (``zero_rows_from``; the
         producer warp does it otherwise).
         """
         q_smem, q2_smem, k_ring, k2_ring, v_ring, o_smem = smem
@@ -383,7 +346,7 @@ if gluon is not None:
             lse_rows = lse_ptr + head.to(gl.int64) * total_q + row_origin
             if start_m + ROWS > seqlen_q:
                 o_head = o_ptr + (row_origin + start_m).to(gl.int64) * stride_o_row + head * BLOCK_DV
-                _store_rows_below(o_slot.reshape([ROWS, BLOCK_DV]), o_head, stride_o_row, seqlen_q - start_m)
+                store_rows_below(o_slot.reshape([ROWS, BLOCK_DV]), o_head, stride_o_row, seqlen_q - start_m, 4)
             else:
                 tma_store(o_desc, [coord_batch, head, row_origin + start_m, 0], o_slot)
         else:
@@ -408,7 +371,7 @@ if gluon is not None:
 
         ``batch``, ``start_m`` and ``first_key`` are TMA coordinates (packed: 0 and rows of the whole tensor).
         VARLEN: a V tile that reaches past the sequence's last key ``key_end`` lands on ``v_tail`` instead; this warp
-        zeroes its rows past the sequence (``_zero_rows_from``) and only then completes the slot's "ready" barrier
+        zeroes its rows past the sequence (``zero_rows_from``) and only then completes the slot's "ready" barrier
         (a plain arrive: its count is one and no bytes are expected of it)."""
         q_smem, q2_smem, k_ring, k2_ring, v_ring, _ = smem
         q_bars, k_ready, v_ready, k_empty, v_empty = bars
@@ -432,7 +395,7 @@ if gluon is not None:
                 tma_load(v_desc, [batch, kv_head, key, 0], v_tail, v_ring.index(slot))
                 mbarrier.wait(v_tail, 0)
                 v_tile = v_ring.index(slot)
-                _zero_rows_from(v_tile.reshape([v_tile.type.shape[2], v_tile.type.shape[3]]), key_end - key, 1)
+                zero_rows_from(v_tile.reshape([v_tile.type.shape[2], v_tile.type.shape[3]]), key_end - key, 1)
                 mbarrier.arrive(v_ready.index(slot))
             else:
                 ring_load(v_desc, v_ready, v_ring, index, batch, kv_head, key, True, NUM_STAGES)

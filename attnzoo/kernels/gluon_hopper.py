@@ -116,8 +116,48 @@ if gluon is not None:
         mbarrier.wait(bars.index(slot), (index // NUM_STAGES) & 1)
         return ring.index(slot).reshape([ROWS, BLOCK_D])
 
+    @gluon.jit
+    def zero_rows_from(tile, first_zero, NUM_WARPS: gl.constexpr):
+        """Zero the rows ``first_zero ..`` of a ``[ROWS, COLS]`` shared-memory tile with ``NUM_WARPS`` warps, a few
+        rows at a time (8 for one warp, else 16; slices follow the 8-row swizzle pattern), and make the writes
+        visible to the tensor cores' reads.  The unrolled chunks spill a few words in a lone producer warp (8-28 B
+        stored, once per tile zeroed).
+
+        A packed sequence's last tile of a TMA box reaches into the next sequence's rows (a box zero-fills only past
+        the whole tensor).  Where such rows meet a zero factor (P = 0 for keys or rows outside the sequence), ``0 *
+        inf`` and ``0 * NaN`` are still NaN: a non-finite value of the next sequence would reach this one through the
+        product.  Rows whose scores are replaced by ``-inf`` need no such care."""
+        ROWS: gl.constexpr = tile.type.shape[0]
+        COLS: gl.constexpr = tile.type.shape[1]
+        CHUNK: gl.constexpr = 8 if NUM_WARPS == 1 else 16
+        LANE_COLS: gl.constexpr = 32 if COLS // 8 > 32 else COLS // 8
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // LANE_COLS, LANE_COLS], [NUM_WARPS, 1], [1, 0])
+        for c in gl.static_range(ROWS // CHUNK):
+            part = tile.slice(c * CHUNK, CHUNK)
+            values = part.load(layout)
+            row = c * CHUNK + gl.arange(0, CHUNK, gl.SliceLayout(1, layout))
+            part.store(gl.where(row[:, None] >= first_zero, gl.zeros_like(values), values))
+        fence_async_shared()
+
+    @gluon.jit
+    def store_rows_below(tile, first_row_ptr, stride_row, rows_kept, NUM_WARPS: gl.constexpr):
+        """Store the rows ``0 .. rows_kept - 1`` of a ``[ROWS, COLS]`` shared-memory tile with ``NUM_WARPS`` warps to
+        global rows ``first_row_ptr + r * stride_row``, 16 rows at a time: the end of a packed sequence inside a
+        slab, whose later rows belong to the next sequence (a TMA store would overwrite them)."""
+        ROWS: gl.constexpr = tile.type.shape[0]
+        COLS: gl.constexpr = tile.type.shape[1]
+        CHUNK: gl.constexpr = 16
+        LANE_COLS: gl.constexpr = 32 if COLS // 8 > 32 else COLS // 8
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // LANE_COLS, LANE_COLS], [NUM_WARPS, 1], [1, 0])
+        cols = gl.arange(0, COLS, gl.SliceLayout(0, layout))
+        for c in gl.static_range(ROWS // CHUNK):
+            row = c * CHUNK + gl.arange(0, CHUNK, gl.SliceLayout(1, layout))
+            values = tile.slice(c * CHUNK, CHUNK).load(layout)
+            at = first_row_ptr + row.to(gl.int64)[:, None] * stride_row + cols[None, :]
+            gl.store(at, values, mask=(row < rows_kept)[:, None])
+
 else:  # pragma: no cover - see the import above
-    accumulator_layout = ring_load = ring_load_pair = ring_wait = None
+    accumulator_layout = ring_load = ring_load_pair = ring_wait = zero_rows_from = store_rows_below = None
 
 
 _compile_failure: list[str] = []  # the first compilation error of a Gluon kernel in this process, if any

@@ -517,7 +517,9 @@ _GLUON_SCOPES = {
         alibi=True,
         varlen=True,
     ),
-    KernelVariant.DKDV: GluonScope("backward_gluon.py", needs_positive_scale=False, extra_tma_operands=("do",)),
+    KernelVariant.DKDV: GluonScope(
+        "backward_gluon.py", needs_positive_scale=False, extra_tma_operands=("do",), varlen=True
+    ),
 }
 
 
