@@ -16,9 +16,10 @@ from test_varlen import VarlenCase, _check, varlen_cases
 
 import attnzoo
 from attnzoo.kernels.gluon_hopper import gluon_unavailable_reason
+from attnzoo.kernels.launch import KernelVariant, prepare
 from attnzoo.kernels.tuning import CANDIDATES, candidates, head_dim_tile
-from attnzoo.testing_varlen import random_varlen_inputs, run_varlen_backend, varlen_oracle_for
-from attnzoo.varlen import attention_varlen_backward_op, attention_varlen_forward_op
+from attnzoo.testing_varlen import VarlenInputs, random_varlen_inputs, run_varlen_backend, varlen_oracle_for
+from attnzoo.varlen import attention_varlen_backward_op, attention_varlen_forward_op, validate_varlen
 
 pytestmark = pytest.mark.gpu
 
@@ -64,27 +65,51 @@ PINNED = (
 
 
 def _pinned_id(value) -> str:
-    return "tuned" if value is None else str(value) if isinstance(value, str) else "-".join(map(str, value.values()))
+    if value is None or isinstance(value, str):
+        return "tuned" if value is None else value
+    return "-".join(f"{kernel}={cfg}" for kernel, cfg in value.items())
 
 
-@pytest.mark.parametrize("inputs", ["kv", "q-do-kv"])
+def _gluon_reasons(x: VarlenInputs, variant: KernelVariant, causal: bool, window=None, softcap: float = 0.0) -> list:
+    """Why the launch layer would run ``variant``'s Triton kernel instead of its Gluon one on the packed inputs ``x``
+    (empty: the Gluon kernel runs).  A call out of scope would pass these tests on the Triton twin."""
+    problem = validate_varlen(
+        x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, None, None, causal, None, window, softcap, x.alibi_slopes
+    )
+    call = prepare(x.q, x.k, x.v, problem)
+    return call.gluon_reasons(variant, x.do) if variant == KernelVariant.DKDV else call.gluon_reasons(variant)
+
+
+# What is poisoned with NaN in sequence 1, and the head dim and mask: the Gluon kernels zero the rows of a TMA box
+# past a sequence's end (V in the forward; Q and dO in dK/dV) with a layout that depends on the head dim.
+POISONS = {
+    "kv-d64-full": (("k", "v"), 64, False),
+    "qdokv-d64-full": (("q", "do", "k", "v"), 64, False),
+    "qdokv-d128-causal": (("q", "do", "k", "v"), 128, True),
+}
+
+
+@pytest.mark.parametrize("poison", list(POISONS))
 @pytest.mark.parametrize(("name", "configs"), PINNED, ids=_pinned_id)
-def test_rows_never_see_another_sequence(name, configs, inputs):
+def test_rows_never_see_another_sequence(name, configs, poison):
     """A NaN in sequence 1's K and V (and its Q and dO) reaches no row of another sequence.  For the Gluon kernels
     this is the check of their zeroed rows: a TMA box of a sequence's last tile reads the next sequence's rows,
     where P = 0, and 0 * NaN would be NaN (V for the forward; Q and dO for dK/dV)."""
     if configs is not None and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels need an sm_90 GPU")
+    fields, head_dim, causal = POISONS[poison]
     backend = attnzoo.get(name) if configs is None else attnzoo.get(name, configs=configs)
-    x = random_varlen_inputs((190, 300, 77), (230, 300, 64), 4, 2, 64, dtype=F16, device="cuda", seed=5)
-    clean = run_varlen_backend(backend, x, causal=False)
+    x = random_varlen_inputs((190, 300, 77), (230, 300, 64), 4, 2, head_dim, dtype=F16, device="cuda", seed=5)
+    for kernel in configs or ():
+        variant = KernelVariant.FORWARD if kernel == "forward" else KernelVariant.DKDV
+        assert not _gluon_reasons(x, variant, causal), _gluon_reasons(x, variant, causal)
+    clean = run_varlen_backend(backend, x, causal=causal)
     rows_q, rows_k = x.rows(1)
-    poison = {"k": rows_k, "v": rows_k} | ({"q": rows_q, "do": rows_q} if inputs == "q-do-kv" else {})
     changed = {}
-    for field, rows in poison.items():
+    for field in fields:
         changed[field] = getattr(x, field).clone()
-        changed[field][rows] = float("nan")
-    poisoned = run_varlen_backend(backend, type(x)(**{**vars(x), **changed}), causal=False)
+        changed[field][rows_q if field in ("q", "do") else rows_k] = float("nan")
+    poisoned = run_varlen_backend(backend, type(x)(**{**vars(x), **changed}), causal=causal)
     for out, rows in (("o", rows_q), ("dq", rows_q), ("dk", rows_k), ("dv", rows_k)):
         outside = torch.ones(clean[out].shape[0], dtype=torch.bool, device="cuda")
         outside[rows] = False
@@ -123,6 +148,8 @@ def test_gluon_forward_on_packed_batches(forward, dtype, case):
     fitting = candidates("forward", head_dim_tile(case.head_dim), dtype, torch.device("cuda"), gluon_head_dims=dims)
     if forward not in fitting:
         pytest.skip(f"{forward} does not fit the shared memory at D={dims[0]} Dv={dims[1]} (the tuner drops it)")
+    reasons = _gluon_reasons(case.make(), KernelVariant.FORWARD, case.causal, **case.modifiers)
+    assert not reasons, reasons
     _check(attnzoo.get("triton_2kernel", configs={"forward": forward}), case)
     # A Gluon compilation error would have switched the Triton twin in, with a warning only.
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
@@ -153,6 +180,8 @@ def test_gluon_dkdv_on_packed_batches(dkdv, dtype, case):
     case = dataclasses.replace(GLUON_DKDV_CASES[case], dtype=dtype)
     if dkdv not in candidates("dkdv", head_dim_tile(case.head_dim), dtype, torch.device("cuda")):
         pytest.skip(f"{dkdv} does not fit the shared memory at D={case.head_dim} (the tuner drops it)")
+    reasons = _gluon_reasons(case.make(), KernelVariant.DKDV, case.causal)
+    assert not reasons, reasons
     _check(attnzoo.get("triton_2kernel", configs={"dkdv": dkdv}), case)
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 

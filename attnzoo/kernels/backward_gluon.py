@@ -314,6 +314,8 @@ def attention_dkdv_hopper(
     delta ``[H, total_q]``.
     """
     dk_rows, dv_rows = dk, dv  # packed: the [total_k, Hkv, D] tensors that the masked stores address
+    if dv.shape != dk.shape:  # one row stride and one head offset serve both stores: Dv = D (the scope's head dims)
+        raise ValueError(f"dv {tuple(dv.shape)} must have dk's shape {tuple(dk.shape)}")
     if varlen is not None:
         if not (dk.is_contiguous() and dv.is_contiguous()):  # the masked stores step rows by Hkv * D
             raise ValueError("dk and dv must be contiguous [total_k, Hkv, D] tensors for a packed batch")
