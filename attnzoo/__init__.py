@@ -8,12 +8,14 @@
 >>> o, lse = attnzoo.merge_attention(o_parts, lse_parts)  # results over disjoint key sets -> their union
 >>> o = attnzoo.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new)  # decoding, in-place append
 >>> o = attnzoo.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)  # packed variable-length batches
+>>> o = attnzoo.attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale)  # float8_e4m3fn inputs, bf16 output
 """
 
 from . import backends as _backends  # noqa: F401  (registers every backend)
 from .autograd import attention, pick_backend
 from .backend import REQUIRED_FEATURES, Backend, Capabilities, get, names
 from .drop_in import sdpa, sdpa_patched
+from .fp8 import attention_fp8
 from .kvcache import attention_with_kvcache
 from .merge import merge_attention
 from .validation import Problem
@@ -25,6 +27,7 @@ __all__ = [
     "Capabilities",
     "Problem",
     "attention",
+    "attention_fp8",
     "attention_varlen",
     "attention_with_kvcache",
     "get",

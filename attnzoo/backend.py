@@ -239,6 +239,17 @@ class Backend:
         with _on_device(problem):
             return self._forward_varlen(q, k, v, problem)
 
+    def forward_fp8(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale: torch.Tensor, problem: Problem
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP8 forward (``attnzoo.attention_fp8``) on inputs validated into ``problem`` (``float8_e4m3fn``), with the
+        float32 factors ``descale`` ``[B, Hkv, 3]`` -> ``o`` bfloat16, ``lse`` float32.  This default runs the
+        backend's float32 forward on the real inputs (``fp8.forward_dequantized``); the Triton backends compute on
+        the FP8 values."""
+        from .fp8 import forward_dequantized
+
+        return forward_dequantized(self, q, k, v, descale, problem)
+
     def backward_varlen_validated(
         self, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, problem: Problem
     ) -> tuple[Any, Any, Any]:

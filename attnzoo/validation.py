@@ -115,11 +115,16 @@ def _describe(x: Any) -> str:
     return f"{type(x).__name__}"
 
 
-def _torch_dtype_of(name: str, x: Any) -> torch.dtype:
+def _torch_dtype_of(name: str, x: Any, fp8: bool = False) -> torch.dtype:
     if isinstance(x, torch.Tensor):
-        if x.dtype not in FLOAT_DTYPES:
+        if fp8:
+            if x.dtype != torch.float8_e4m3fn:
+                raise TypeError(f"{name} must have dtype torch.float8_e4m3fn, got {x.dtype}")
+        elif x.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} must have a floating dtype (float16, bfloat16, float32 or float64), got {x.dtype}")
         return x.dtype
+    if fp8:
+        raise TypeError(f"{name} must be a torch tensor of dtype torch.float8_e4m3fn, got numpy {x.dtype}")
     if x.dtype not in _NUMPY_FLOAT_DTYPES:
         raise TypeError(f"{name} must have a floating dtype (float16, float32 or float64), got numpy {x.dtype}")
     return {np.float64: torch.float64, np.float32: torch.float32, np.float16: torch.float16}[x.dtype.type]
@@ -159,8 +164,10 @@ def validate_forward(
     *,
     allow_numpy: bool = False,
     check_values: bool = True,
+    fp8: bool = False,
 ) -> Problem:
-    """Check the arguments of ``forward`` (and of ``attention``) and return the problem they describe.
+    """Check the arguments of ``forward`` (and of ``attention``) and return the problem they describe.  ``fp8``:
+    q, k and v must be ``torch.float8_e4m3fn`` instead (``attnzoo.attention_fp8``).
 
     Raises ``TypeError`` for a wrong kind or dtype and ``ValueError`` for a wrong shape or value.
     ``check_values=False`` leaves out the one check that reads tensor values (the range of ``seqlens_k``), which
@@ -179,7 +186,7 @@ def validate_forward(
         if x.ndim != 4:
             layout = "[B, H, Nq, D]" if name == "q" else "[B, Hkv, Nk, D]"
             raise ValueError(f"{name} must have rank 4, {layout}, got rank {x.ndim} with shape {tuple(x.shape)}")
-    dtypes = {name: _torch_dtype_of(name, x) for name, x in (("q", q), ("k", k), ("v", v))}
+    dtypes = {name: _torch_dtype_of(name, x, fp8) for name, x in (("q", q), ("k", k), ("v", v))}
     if len(set(dtypes.values())) > 1:
         raise TypeError(f"q, k and v must have the same dtype, got q={dtypes['q']}, k={dtypes['k']}, v={dtypes['v']}")
     devices = {_device_of(x) for x in (q, k, v)}

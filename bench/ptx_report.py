@@ -36,8 +36,8 @@ from attnzoo.kernels.tuning import CANDIDATES, KernelConfig, head_dim_tile
 
 KERNELS = {"forward": attention_forward_kernel, "dkdv": dkdv_kernel, "dq": dq_kernel, "atomic": atomic_backward_kernel}
 TARGET = GPUTarget("cuda", 90, 32)
-DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
-FLOAT32_POINTERS = ("lse_ptr", "lse2_ptr", "delta_ptr", "dk_acc_ptr", "dv_acc_ptr", "alibi_ptr")
+DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32", "fp8": "fp8e4nv"}
+FLOAT32_POINTERS = ("lse_ptr", "lse2_ptr", "delta_ptr", "dk_acc_ptr", "dv_acc_ptr", "alibi_ptr", "descale_ptr")
 INT32_POINTERS = ("seqlens_ptr", "counts_ptr", "cu_seqlens_q", "cu_seqlens_k")
 SCALARS = ("sm_scale", "qk_scale", "cap_in", "cap_out")
 
@@ -57,22 +57,30 @@ def source(
     "window" (a left bound, as causal sliding windows have), "softcap" (the GPU's fp16/bf16 form), "alibi", "varlen"
     (a packed batch: the masked stage and Q-side row predicates always, no TMA)."""
     block_d = head_dim_tile(d)
-    plain = not {"softcap", "alibi"} & modifiers
+    plain = not {"softcap", "alibi"} & modifiers and dtype != "fp8"
     varlen = "varlen" in modifiers
+    fp8 = dtype == "fp8"  # attention_fp8: its descale factors, o in bfloat16, v stored with the keys contiguous
     flags = dict(
         EVEN_D=d == block_d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
         HAS_SEQLENS=False, DOT_PRECISION="ieee", DEBUG=False, Q_TAIL=q_tail or varlen, DELTA_RECOMPUTE=False,
         FOLD_SCALE=folds_scale(1.0, block_d) and plain, MASK_STAGE=causal or varlen,  # as for N % 128 == 0
         USE_TMA=cfg.tma and not varlen, VARLEN=varlen, BLOCK_DV=block_d, EVEN_DV=d == block_d, DV_IS_D=True,
         WINDOW_LEFT="window" in modifiers,
-        WINDOW_RIGHT=False, SOFTCAP=2 if "softcap" in modifiers else 0, ALIBI="alibi" in modifiers,
+        WINDOW_RIGHT=False, SOFTCAP=2 if "softcap" in modifiers else 0, ALIBI="alibi" in modifiers, DESCALE=fp8,
     )  # fmt: skip
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in flags:
             signature[name], constexprs[(i,)] = "constexpr", flags[name]
+        elif fp8 and name in ("stride_vn", "stride_vd"):  # FP8's v has the keys contiguous (P V's K-major operand)
+            if name == "stride_vn":
+                signature[name], constexprs[(i,)] = "constexpr", 1
+            else:
+                signature[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
         elif name.startswith("stride") and name.endswith("d"):  # the head-dim stride of a contiguous tensor
             signature[name], constexprs[(i,)] = "constexpr", 1
+        elif name == "o_ptr" and fp8:
+            signature[name], attrs[(i,)] = "*bf16", [["tt.divisibility", 16]]
         elif name.endswith("_desc"):  # the forward's K/V: a [1, 1, BLOCK_N, BLOCK_D] box, or an unused pointer
             box = f"1, 1, {cfg.block_n}, {block_d}"
             signature[name] = f"tensordesc<{DTYPES[dtype]}[{box}]>" if cfg.tma else f"*{DTYPES[dtype]}"
@@ -177,6 +185,10 @@ def report(
         spill_stores=number(r"(\d+) bytes spill stores"),
         spill_loads=number(r"(\d+) bytes spill loads"),
         stores=collections.Counter(re.findall(r"\bst\.global((?:\.v\d)?\.[bf]\d+)", ptx)),
+        # The tensor-core products by accumulator and operand types, e.g. "f32.e4m3.e4m3" (FP8), "f32.f16.f16".
+        products=collections.Counter(
+            re.findall(r"\bwgmma\.mma_async\.sync\.aligned\.m\d+n\d+k\d+\.(\w+\.\w+\.\w+)", ptx)
+        ),
         # Asynchronous products waited for with some still in flight ("wait 1") are what overlaps the softmax.
         mma_waits=collections.Counter(re.findall(r"\bwgmma\.wait_group\.sync\.aligned (\d+)", ptx)),
         reductions=collections.Counter(re.findall(r"\bred\.global(?:\.\w+)*?\.add((?:\.v\d)?\.[bf]\d+)", ptx)),
@@ -219,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"{name} {args.dtype} D={d}{f' Dv={args.dv}' if args.dv else ''} {cfg}: "
                     f"{r['registers']} registers, spill {r['spill_stores']}/{r['spill_loads']} B stored/loaded, "
+                    f"products {widths(r['products'])}, "
                     f"stores {widths(r['stores'])}, reductions {widths(r['reductions'])}, "
                     f"wgmma waits {widths(r['mma_waits'])}",
                     flush=True,

@@ -9,6 +9,7 @@ before); where it does not, ``import attnzoo`` still works and the Triton backen
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 from types import SimpleNamespace
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from .._env import interpreter_unusable_reason, triton_interpreter_active
-from ..backend import Backend
+from ..backend import Backend, _on_device
 from ..kernels.tuning import KernelConfig
 from ..validation import Problem
 
@@ -28,6 +29,12 @@ INTERPRETER_REASON = "CPU tensors need the Triton interpreter (TRITON_INTERPRET=
 INTERPRETER_BF16_REASON = (
     "bfloat16 is not supported on the CPU: under the Triton interpreter (triton 3.6-3.9) tl.dot on bfloat16 "
     "computes on the raw uint16 bits (interpreter bug); bfloat16 is checked on the GPU"
+)
+
+
+INTERPRETER_FP8_REASON = (
+    "FP8 runs on the GPU only: under the Triton interpreter (triton 3.6-3.9) the float32 -> float8e4nv rounding drops "
+    "the carry into the exponent (0.49 becomes 0.25, not 0.5)"
 )
 
 
@@ -121,6 +128,27 @@ class TritonBackend(Backend):
 
     def _backward(self, do, q, k, v, o, lse, problem):
         return self.backward_prepared(self.prepare(q, k, v, problem), do, o, lse)
+
+    def forward_fp8(self, q, k, v, descale, problem):
+        """On the FP8 values (``kernels/forward.py``, DESCALE): the support rules of a 16-bit call, on a GPU with
+        FP8 tensor cores (compute capability 8.9 and later).  v goes to the kernel with its keys contiguous (a copy
+        unless ``v.stride(-2) == 1``): ``P V``'s right operand must be K-major for the FP8 tensor-core product."""
+        self._check(dataclasses.replace(problem, dtype=torch.float16))
+        if problem.device != "cuda":
+            raise NotImplementedError(f"backend {self.name!r} does not support this input: {INTERPRETER_FP8_REASON}")
+        capability = torch.cuda.get_device_capability(q.device)
+        if capability < (8, 9):
+            raise NotImplementedError(
+                f"backend {self.name!r} does not support this input: FP8 needs compute capability 8.9 or later, got "
+                f"{capability}"
+            )
+        if problem.batch * problem.heads * problem.seqlen_q == 0:
+            return super().forward_fp8(q, k, v, descale, problem)
+        if v.stride(-2) != 1:
+            v = v.transpose(-1, -2).contiguous().transpose(-1, -2)
+        with _on_device(problem):
+            call = kernels().prepare(q, k, v, problem, forced=self.configs, descale=descale)
+            return kernels().forward(call)
 
     def _forward_varlen(self, q, k, v, problem):
         # The packed tensors as they are: the kernels map programs to (sequence, block) pairs (kernels/common.py).

@@ -110,7 +110,7 @@ def attention_forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     FOLD_SCALE: tl.constexpr, MASK_STAGE: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DEBUG: tl.constexpr,
+    DEBUG: tl.constexpr, descale_ptr=None, DESCALE: tl.constexpr = False,
 ):  # fmt: skip
     """o, lse of one Q block of one (batch, head); grid: 1-d, num_m_blocks * B * H programs.
 
@@ -125,6 +125,10 @@ def attention_forward_kernel(
     VARLEN: q, k, v, o are packed ``[total, H, D]`` (passed with their row stride as batch stride), lse is
     ``[H, total_q]``, ``seqlen_q``/``seqlen_k`` are total_q/total_k and each program one block of one sequence
     (``common.q_block_opening``); an idle slot returns at once.
+    DESCALE (FP8 inputs, ``attnzoo.attention_fp8``; dense only): ``descale_ptr`` is float32 ``[B, Hkv, 3]``, the
+    factors that turn the stored q, k, v of a (batch, kv head) into the real ones.  The scores are scaled by the q and
+    k factors with ``qk_scale`` (never folded: a factor may be negative), P is rounded to v's dtype for ``P V`` as
+    in any dtype, and o is multiplied by the v factor; o has its own dtype (bfloat16).
     """
     if DV_IS_D:
         head_dim_v = head_dim
@@ -141,6 +145,12 @@ def attention_forward_kernel(
     if VARLEN:  # noqa: SIM102  (a constexpr test first: a dense kernel compiles no check)
         if start_m >= seqlen_q:
             return
+    if DESCALE:
+        tl.static_assert(not (VARLEN or FOLD_SCALE), "FP8 runs dense calls, with the scale applied to the scores")
+        descale = descale_ptr + (batch * (num_heads // group_size) + kv_head) * 3
+        # Scores of the stored values times q's and k's factors are the real scores: one scale for the tile.
+        qk_scale = qk_scale * tl.load(descale) * tl.load(descale + 1)
+        v_descale = tl.load(descale + 2)
     local_m = tl.arange(0, BLOCK_M)
     rows = start_m + local_m
     cols = tl.arange(0, BLOCK_D)
@@ -185,6 +195,8 @@ def attention_forward_kernel(
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     o_tile = acc * (1.0 / l_safe)[:, None]
+    if DESCALE:  # P V summed the stored values of v: the real ones are v_descale times them
+        o_tile = o_tile * v_descale
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     store_rows(head_rows(o, q_first, head), o_tile, start_m, local_m, cols_v, seqlen_q, head_dim_v, EVEN_DV)
     tl.store(lse_ptr + row_stats_offset(bh, head, q_first, total_q, VARLEN) + rows, lse, mask=rows < seqlen_q)
@@ -204,7 +216,7 @@ def attention_forward(call: PreparedCall) -> tuple[torch.Tensor, torch.Tensor]:
     """
     q, k, v = call.q, call.k, call.v
     H, D = call.problem.heads, call.problem.head_dim
-    o = call.new_output(call.output_shape(call.problem.head_dim_v), q.dtype)
+    o = call.new_output(call.output_shape(call.problem.head_dim_v), call.output_dtype)
     lse = call.new_output(call.row_stats_shape, torch.float32)
     hopper = not call.gluon_reasons(KernelVariant.FORWARD)
     modifiers = call.modifiers
@@ -232,7 +244,7 @@ def attention_forward(call: PreparedCall) -> tuple[torch.Tensor, torch.Tensor]:
             EVEN_D=call.even_d, BLOCK_D=call.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=call.causal, HAS_SEQLENS=call.has_seqlens, FOLD_SCALE=call.fold_scale,
             MASK_STAGE=call.mask_stage_needed(cfg.block_n), USE_TMA=use_tma, DOT_PRECISION=call.dot_precision,
-            DEBUG=call.debug, **modifiers.flags,
+            DEBUG=call.debug, **modifiers.flags, **call.descale_args,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 

@@ -279,6 +279,18 @@ class PreparedCall:
     seqlen_q: int = 0
     varlen: bool = False
     varlen_args: tuple = ()
+    # FP8 inputs (``attnzoo.attention_fp8``): float32 ``[B, Hkv, 3]`` factors of q, k and v; o is bfloat16.
+    descale: torch.Tensor | None = None
+
+    @property
+    def output_dtype(self) -> torch.dtype:
+        """o's dtype: q's, or bfloat16 for FP8 inputs."""
+        return self.q.dtype if self.descale is None else torch.bfloat16
+
+    @property
+    def descale_args(self) -> dict:
+        """The forward kernel's FP8 arguments (none for other calls: the kernel's defaults)."""
+        return {} if self.descale is None else {"descale_ptr": self.descale, "DESCALE": True}
 
     def q_slots(self, block_m: int) -> int:
         """Programs per (batch, head) of a Q-stationary grid: Q blocks; packed, per head: ``total_q // block_m + B``
@@ -370,9 +382,11 @@ def prepare(
     problem: Problem,
     forced: Mapping[str, KernelConfig] | None = None,
     counts: dict[KernelVariant, torch.Tensor] | None = None,
+    descale: torch.Tensor | None = None,
 ) -> PreparedCall:
     """The prepared call of validated inputs (``problem`` from ``attnzoo.validation``); inputs are never copied unless
-    their strides could wrap int32 offsets inside a tile."""
+    their strides could wrap int32 offsets inside a tile.  ``descale``: FP8 inputs' float32 ``[B, Hkv, 3]`` factors
+    (``attnzoo.fp8``)."""
     q, k, v = (int32_addressable(x) for x in (q, k, v))
     block_d = head_dim_tile(problem.head_dim)
     block_dv = head_dim_tile(problem.head_dim_v)
@@ -407,13 +421,16 @@ def prepare(
         even_d=problem.head_dim == block_d,
         dot_precision=dot_precision(problem.dtype),
         # The fold needs the softmax's input to be the raw scores times a positive scale: not with a modifier.
-        fold_scale=folds_scale(problem.scale, block_d) and not (modifiers.softcap or modifiers.alibi),
+        # FP8's factors multiply the scale inside the kernel, and may be negative: no fold either.
+        fold_scale=folds_scale(problem.scale, block_d)
+        and not (modifiers.softcap or modifiers.alibi or descale is not None),
         debug=counts is not None,
         block_dv=block_dv,
         modifiers=modifiers,
         seqlen_q=seqlen_q,
         varlen=varlen,
         varlen_args=varlen_args,
+        descale=descale,
     )
 
 
