@@ -64,7 +64,7 @@ def source(
         EVEN_D=d == block_d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
         HAS_SEQLENS=False, DOT_PRECISION="ieee", DEBUG=False, Q_TAIL=q_tail or varlen, DELTA_RECOMPUTE=False,
         FOLD_SCALE=folds_scale(1.0, block_d) and plain, MASK_STAGE=causal or varlen,  # as for N % 128 == 0
-        USE_TMA=cfg.tma and not varlen, VARLEN=varlen, BLOCK_DV=block_d, EVEN_DV=d == block_d, DV_IS_D=True,
+        USE_TMA=cfg.tma and not (varlen or fp8), VARLEN=varlen, BLOCK_DV=block_d, EVEN_DV=d == block_d, DV_IS_D=True,
         WINDOW_LEFT="window" in modifiers,
         WINDOW_RIGHT=False, SOFTCAP=2 if "softcap" in modifiers else 0, ALIBI="alibi" in modifiers, DESCALE=fp8,
     )  # fmt: skip

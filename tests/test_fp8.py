@@ -15,52 +15,77 @@ from hypothesis import strategies as st
 
 import attnzoo
 from attnzoo import oracle
-from attnzoo.fp8 import FP8, dequantize, descale_table, fp8_recipe
+from attnzoo.fp8 import FP8, descale_table, fp8_recipe
 
 HAS_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
-def _inputs(batch, heads, kv_heads, nq, nk, d, per_head, seed, device):
-    """FP8 q, k, v of magnitudes up to a few units (as a per-tensor scaling recipe stores them), and their factors."""
+def _inputs(batch, heads, kv_heads, nq, nk, d, dv, factors, seed, device):
+    """FP8 q, k, v of magnitudes up to a few units (as a per-tensor scaling recipe stores them), and their factors:
+    "tensor" (0-d, positive), "head" ([B, Hkv], positive), "signed" ([B, Hkv], either sign) or "zero-k" (k's 0)."""
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (
-        (torch.randn(batch, h, n, d, generator=gen) * 3).to(FP8).to(device)
-        for h, n in ((heads, nq), (kv_heads, nk), (kv_heads, nk))
+        (torch.randn(batch, h, n, width, generator=gen) * 3).to(FP8).to(device)
+        for h, n, width in ((heads, nq, d), (kv_heads, nk, d), (kv_heads, nk, dv))
     )
-    shape = (batch, kv_heads) if per_head else ()
-    factors = [(0.25 + torch.rand(shape, generator=gen)).to(device) for _ in range(3)]
-    return q, k, v, factors
+    shape = () if factors == "tensor" else (batch, kv_heads)
+    values = [0.25 + torch.rand(shape, generator=gen) for _ in range(3)]
+    if factors == "signed":
+        values = [x * (torch.randint(0, 2, shape, generator=gen) * 2 - 1) for x in values]
+    if factors == "zero-k":
+        values[1] = torch.zeros(shape)
+    return q, k, v, [x.to(device) for x in values]
 
 
-def _check(backend, q, k, v, factors, causal):
-    o, lse = attnzoo.attention_fp8(q, k, v, *factors, causal=causal, backend=backend, return_lse=True)
+def _real(x: torch.Tensor, factor: torch.Tensor, group: int) -> torch.Tensor:
+    """``factor * x`` in float64, head by head: head ``h`` of ``x`` takes the factor of K/V head ``h // group``."""
+    out = x.double().clone()
+    for b in range(x.shape[0]):
+        for h in range(x.shape[1]):
+            out[b, h] *= float(factor if factor.dim() == 0 else factor[b, h // group])
+    return out
+
+
+def _check(backend, q, k, v, factors, causal, scale=None):
+    o, lse = attnzoo.attention_fp8(q, k, v, *factors, causal=causal, scale=scale, backend=backend, return_lse=True)
     assert o.dtype == torch.bfloat16 and o.shape == (*q.shape[:3], v.shape[3]) and lse.dtype == torch.float32
-    batch, kv_heads, d = k.shape[0], k.shape[1], q.shape[3]
-    table = descale_table(*factors, batch, kv_heads, q.device)
-    real = dequantize(q, k, v, table, torch.float64)
-    ref = oracle.reference(*real, causal=causal, device=q.device)
-    base_o, base_lse = fp8_recipe(q, k, v, table, causal, d**-0.5)
+    group = q.shape[1] // k.shape[1]
+    real = (_real(q, factors[0], group), _real(k, factors[1], 1), _real(v, factors[2], 1))
+    ref = oracle.reference(*real, causal=causal, scale=scale, device=q.device)
+    table = descale_table(*factors, k.shape[0], k.shape[1], q.device)
+    base_o, base_lse = fp8_recipe(q, k, v, table, causal, q.shape[3] ** -0.5 if scale is None else scale)
     for name, got, want, base in (("o", o, ref.o, base_o), ("lse", lse, ref.lse.double(), base_lse)):
         check = oracle.check_output(name, got, want, base, torch.bfloat16)
         assert check.ok, f"{name}: {check.message}"
 
 
+# (B, H, Hkv, Nq, Nk, D, Dv): tails, one query row, GQA, Nq != Nk, D not a power of two, D = 16, Dv != D.
+SHAPES = [
+    (1, 2, 1, 33, 40, 16, 16),
+    (2, 4, 2, 17, 17, 32, 32),
+    (1, 1, 1, 1, 70, 8, 8),
+    (1, 2, 2, 20, 25, 24, 40),
+]
+FACTORS = ["tensor", "head", "signed", "zero-k"]
+
+
 @pytest.mark.parametrize("backend", ["numpy_ref", "torch_fa1", "torch_fa2"])
 @given(
-    shape=st.sampled_from([(1, 2, 1, 33, 40, 16), (2, 4, 2, 17, 17, 32), (1, 1, 1, 1, 70, 8)]),
+    shape=st.sampled_from(SHAPES),
     causal=st.booleans(),
-    per_head=st.booleans(),
+    factors=st.sampled_from(FACTORS),
+    scale=st.sampled_from([None, 0.3]),
     seed=st.integers(0, 2**16),
 )
-@settings(max_examples=8)
-def test_reference_backends_attend_the_real_inputs(backend, shape, causal, per_head, seed):
+@settings(max_examples=10)
+def test_reference_backends_attend_the_real_inputs(backend, shape, causal, factors, scale, seed):
     """The reference backends run their float32 forward on the real inputs: within the rule."""
-    q, k, v, factors = _inputs(*shape, per_head, seed, "cpu")
-    _check(backend, q, k, v, factors, causal)
+    q, k, v, values = _inputs(*shape, factors, seed, "cpu")
+    _check(backend, q, k, v, values, causal, scale)
 
 
 def test_bad_input_names_the_argument():
-    q, k, v, (_, kd, _) = _inputs(1, 2, 1, 8, 8, 16, True, 0, "cpu")
+    q, k, v, (_, kd, _) = _inputs(1, 2, 1, 8, 8, 16, 16, "head", 0, "cpu")
     cases = [
         ((q.half(), k, v), {}, TypeError, "q must have dtype torch.float8_e4m3fn"),
         ((q, k, v.to(torch.float8_e5m2)), {}, TypeError, "v must have dtype torch.float8_e4m3fn"),
@@ -70,6 +95,7 @@ def test_bad_input_names_the_argument():
         ((q, k[:, :, :, :8], v), {}, ValueError, "k must have head dim 16"),
         ((q, k, v), {"return_lse": 1}, TypeError, "return_lse must be a bool"),
         ((q, k, v), {"backend": 3}, TypeError, "backend must be a backend name"),
+        ((q, k, v), {"q_descale": kd.to_sparse()}, TypeError, "q_descale must be a dense"),
     ]
     for args, kwargs, error, message in cases:
         with pytest.raises(error, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -78,19 +104,31 @@ def test_bad_input_names_the_argument():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")
 def test_the_triton_backends_say_why_not_on_the_cpu():
-    q, k, v, factors = _inputs(1, 2, 1, 8, 8, 16, False, 0, "cpu")
+    q, k, v, factors = _inputs(1, 2, 1, 8, 8, 16, 16, "tensor", 0, "cpu")
     for name in ("triton_2kernel", "triton_atomic"):
         with pytest.raises(NotImplementedError, match="FP8 runs on the GPU only"):
             attnzoo.attention_fp8(q, k, v, *factors, backend=name)
 
 
-# The Triton kernels on the GPU: tails on both sides, one query row, GQA, Nq != Nk, both kinds of factors.
+def test_auto_picks_a_backend_where_q_is():
+    """CPU inputs run a reference backend even where a GPU is present; a descale that requires grad gives no graph."""
+    q, k, v, factors = _inputs(1, 2, 1, 8, 8, 16, 16, "head", 0, "cpu")
+    factors[0].requires_grad_()
+    o = attnzoo.attention_fp8(q, k, v, *factors)
+    assert o.device.type == "cpu" and o.grad_fn is None
+
+
+# The Triton kernels on the GPU, (B, H, Hkv, Nq, Nk, D, Dv, factors): tails on both sides, one query row, GQA,
+# Nq != Nk, D = 16 (a tile of 32), D not a power of two, Dv != D, every kind of factor.
 GPU_CASES = [
-    (2, 8, 2, 1000, 1000, 128, True),
-    (1, 4, 4, 1, 300, 64, False),
-    (3, 4, 1, 129, 257, 128, True),
-    (1, 16, 16, 2048, 2048, 128, False),
-    (2, 2, 2, 77, 64, 64, True),
+    (2, 8, 2, 1000, 1000, 128, 128, "head"),
+    (1, 4, 4, 1, 300, 64, 64, "tensor"),
+    (3, 4, 1, 129, 257, 128, 128, "signed"),
+    (1, 16, 16, 2048, 2048, 128, 128, "tensor"),
+    (2, 2, 2, 77, 64, 64, 64, "zero-k"),
+    (1, 2, 1, 100, 130, 16, 16, "head"),
+    (2, 4, 2, 200, 190, 80, 80, "signed"),
+    (1, 4, 2, 150, 150, 128, 64, "head"),
 ]
 
 
@@ -98,19 +136,18 @@ GPU_CASES = [
 @pytest.mark.skipif(not HAS_FP8_GPU, reason="FP8 tensor cores: compute capability 8.9 and later")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
-@pytest.mark.parametrize("backend", ["triton_2kernel", "triton_atomic"])
-def test_triton_fp8_forward_on_the_gpu(backend, case, causal):
+def test_triton_fp8_forward_on_the_gpu(case, causal):
     """The FP8 kernel (``kernels/forward.py``, DESCALE) within the rule; o starts as NaN, so unwritten rows fail."""
-    *shape, per_head = case
-    q, k, v, factors = _inputs(*shape, per_head, sum(shape), "cuda")
-    _check(backend, q, k, v, factors, causal)
+    *shape, factors = case
+    q, k, v, values = _inputs(*shape, factors, sum(shape), "cuda")
+    _check("triton_2kernel", q, k, v, values, causal)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_FP8_GPU, reason="FP8 tensor cores: compute capability 8.9 and later")
 def test_triton_fp8_takes_v_of_either_layout():
-    """v with its head dim contiguous is copied to keys-contiguous for the kernel; the result is the same bits."""
-    q, k, v, factors = _inputs(1, 4, 2, 256, 256, 128, True, 9, "cuda")
+    """v with its head dim contiguous is copied to keys-contiguous for the kernel: the same bits as passing that."""
+    q, k, v, factors = _inputs(1, 4, 2, 256, 256, 128, 128, "head", 9, "cuda")
     keys_contiguous = v.transpose(-1, -2).contiguous().transpose(-1, -2)
     a = attnzoo.attention_fp8(q, k, v, *factors, backend="triton_2kernel")
     b = attnzoo.attention_fp8(q, k, keys_contiguous, *factors, backend="triton_2kernel")

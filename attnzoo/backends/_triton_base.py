@@ -133,15 +133,12 @@ class TritonBackend(Backend):
         """On the FP8 values (``kernels/forward.py``, DESCALE): the support rules of a 16-bit call, on a GPU with
         FP8 tensor cores (compute capability 8.9 and later).  v goes to the kernel with its keys contiguous (a copy
         unless ``v.stride(-2) == 1``): ``P V``'s right operand must be K-major for the FP8 tensor-core product."""
-        self._check(dataclasses.replace(problem, dtype=torch.float16))
+        refused = f"backend {self.name!r} does not support this input:"
         if problem.device != "cuda":
-            raise NotImplementedError(f"backend {self.name!r} does not support this input: {INTERPRETER_FP8_REASON}")
-        capability = torch.cuda.get_device_capability(q.device)
-        if capability < (8, 9):
-            raise NotImplementedError(
-                f"backend {self.name!r} does not support this input: FP8 needs compute capability 8.9 or later, got "
-                f"{capability}"
-            )
+            raise NotImplementedError(f"{refused} {INTERPRETER_FP8_REASON}")
+        if torch.version.hip is not None or torch.cuda.get_device_capability(q.device) < (8, 9):
+            raise NotImplementedError(f"{refused} FP8 needs an NVIDIA GPU of compute capability 8.9 or later")
+        self._check(dataclasses.replace(problem, dtype=torch.float16))
         if problem.batch * problem.heads * problem.seqlen_q == 0:
             return super().forward_fp8(q, k, v, descale, problem)
         if v.stride(-2) != 1:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..backend import Capabilities, new_output, register
+from ..backend import Backend, Capabilities, new_output, register
 from ..kernels.tuning import KernelConfig
 from ._triton_base import TRITON_DTYPES, TRITON_MAX_HEAD_DIM, TritonBackend, kernels, triton_extra_reasons
 
@@ -50,6 +50,9 @@ class TritonSplitK(TritonBackend):
         kvcache=True,
         kvcache_auto_rank={"cuda": 0},
     )
+    # The FP8 forward on the FP8 values is the dense forward kernel's (triton_2kernel); this backend's split-K
+    # kernel takes no FP8, so FP8 calls run its float32 forward on the real inputs, as the reference backends do.
+    forward_fp8 = Backend.forward_fp8
 
     def __init__(
         self,

@@ -389,6 +389,8 @@ def prepare(
     (``attnzoo.fp8``)."""
     q, k, v = (int32_addressable(x) for x in (q, k, v))
     block_d = head_dim_tile(problem.head_dim)
+    if descale is not None:  # an FP8 product reduces over at least 32 elements (the head dim in q k^T)
+        block_d = max(block_d, 32)
     block_dv = head_dim_tile(problem.head_dim_v)
     varlen = problem.is_varlen
     if varlen:  # packed: the kernels' lengths are the totals; windows are clamped by them (the hints may be loose)
