@@ -10,12 +10,14 @@ o by ``v_descale`` (``kernels/forward.py``, DESCALE).  The other backends comput
 their float32 forward: the zoo's reference for the FP8 path.
 
 Accuracy (tests/test_fp8.py): SPEC.md's rule for 16-bit outputs, with plain PyTorch's FP8 recipe as its baseline:
-:func:`fp8_recipe` computes S and the softmax in float32 from the real inputs, rounds P to e4m3 before ``P V`` and
-rounds o to bfloat16.  A backend's error against the float64 oracle of the real inputs is at most twice the recipe's,
-plus one bfloat16 rounding unit of o.  Plain bfloat16 attention of the real inputs would be no baseline: it rounds
-S to bfloat16, whose error grows with the scores, while e4m3's P costs about the same at any scale.  On random inputs
-(D = 64, N = 128, two draws each) the recipe's o error was 7.4-8.9x bfloat16 attention's at |x| ~ 0.5, 1.6-2.1x at
-|x| ~ 1 and 0.57-0.60x at |x| ~ 3, so a rule on bfloat16 would fail correct FP8 kernels on small inputs.
+:func:`fp8_recipe` computes ``q k^T`` and ``P V`` as PyTorch's FP8 products (``torch._scaled_mm``: on a GPU with the
+tensor cores' fast accumulation, as the kernels' products accumulate) and the softmax in float32, rounds P to e4m3
+before ``P V`` and o to bfloat16.  A backend's error against the float64 oracle of the real inputs is at most twice
+the recipe's, plus one bfloat16 rounding unit of o.  Plain bfloat16 attention of the real inputs would be no
+baseline: it rounds S to bfloat16, whose error grows with the scores, while e4m3's P costs about the same at any
+scale.  On random inputs (D = 64, N = 128, two draws each) the recipe's o error was 7.4-8.9x bfloat16 attention's at
+|x| ~ 0.5, 1.6-2.1x at |x| ~ 1 and 0.57-0.60x at |x| ~ 3, so a rule on bfloat16 would fail correct FP8 kernels on
+small inputs.
 """
 
 from __future__ import annotations
@@ -74,26 +76,53 @@ def dequantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale: torch
     )
 
 
+def _fp8_product(a: torch.Tensor, b_rows: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+    """``scale_a * scale_b * a @ b_rows^T`` of FP8 ``a`` ``[M, K]`` and ``b_rows`` ``[N, K]``, in float32, by
+    ``torch._scaled_mm`` with fast accumulation: on a GPU the tensor cores' FP8 product, accumulated as the kernels'
+    is.  M, N and K are padded with zeros to multiples of 16, which the product needs."""
+    m, k, n = a.shape[0], a.shape[1], b_rows.shape[0]
+
+    def padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+        out = torch.zeros(-(-rows // 16) * 16, -(-k // 16) * 16, dtype=x.dtype, device=x.device)
+        out[: x.shape[0], :k] = x
+        return out
+
+    product = torch._scaled_mm(
+        padded(a, m), padded(b_rows, n).t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32,
+        use_fast_accum=True,
+    )  # fmt: skip
+    return product[:m, :n]
+
+
 def fp8_recipe(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain PyTorch's FP8 attention, the baseline of the accuracy rule: S and the softmax in float32 from the real
-    inputs, P (each row over its own max) rounded to e4m3 for ``P V``, o in bfloat16 -> ``(o, lse)``."""
-    qf, kf, _ = dequantize(q, k, v, descale, torch.float32)  # v is multiplied after P V, as in the kernels
-    group = q.shape[1] // k.shape[1]
-    kf, v_stored = kf.repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)
-    v_factor = descale[..., 2].repeat_interleave(group, dim=1)[:, :, None, None]
-    s = (qf @ kf.transpose(-1, -2)) * scale
+    """Plain PyTorch's FP8 attention, the baseline of the accuracy rule, head by head: ``S = q k^T`` and ``P V`` as
+    FP8 products (:func:`_fp8_product`) with the factors as their scales, the softmax in float32, P (each row over
+    its own max) rounded to e4m3 for ``P V``, o in bfloat16 -> ``(o, lse)``."""
+    batch, heads, nq, _ = q.shape
+    group = heads // k.shape[1]
+    nk = k.shape[2]
+    o = torch.empty(batch, heads, nq, v.shape[3], dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, heads, nq, dtype=torch.float32, device=q.device)
+    one = torch.ones((), dtype=torch.float32, device=q.device)
+    hidden = None
     if causal:  # bottom-right aligned, as SPEC.md's causal mask
-        nq, nk = s.shape[-2], s.shape[-1]
-        rows = torch.arange(nq, device=s.device)[:, None] + (nk - nq)
-        s = s.masked_fill(torch.arange(nk, device=s.device)[None, :] > rows, float("-inf"))
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-    p = torch.exp(s - m)
-    lsum = p.sum(-1, keepdim=True)
-    o = (p.to(FP8).float() @ v_stored) * v_factor / torch.where(lsum == 0, torch.ones_like(lsum), lsum)
-    lse = torch.where(lsum == 0, float("-inf"), m + torch.log(lsum)).squeeze(-1)
+        rows = torch.arange(nq, device=q.device)[:, None] + (nk - nq)
+        hidden = torch.arange(nk, device=q.device)[None, :] > rows
+    for b in range(batch):
+        for h in range(heads):
+            factors = descale[b, h // group]
+            s = _fp8_product(q[b, h], k[b, h // group], factors[0], factors[1]) * scale
+            if hidden is not None:
+                s = s.masked_fill(hidden, float("-inf"))
+            m = s.amax(-1, keepdim=True)
+            m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+            p = torch.exp(s - m)
+            lsum = p.sum(-1, keepdim=True)
+            pv = _fp8_product(p.to(FP8), v[b, h // group].t().contiguous(), one, factors[2])
+            o[b, h] = pv / torch.where(lsum == 0, torch.ones_like(lsum), lsum)
+            lse[b, h] = torch.where(lsum == 0, float("-inf"), m + torch.log(lsum)).squeeze(-1)
     return o.to(torch.bfloat16), lse
 
 
