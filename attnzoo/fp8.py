@@ -87,8 +87,10 @@ def _fp8_product(a: torch.Tensor, b_rows: torch.Tensor, scale_a: torch.Tensor, s
         out[: x.shape[0], :k] = x
         return out
 
+    # cuBLASLt refuses (NOT_SUPPORTED) a scale whose pointer is a view into a table: each factor gets its own,
+    # aligned allocation.
     product = torch._scaled_mm(
-        padded(a, m), padded(b_rows, n).t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32,
+        padded(a, m), padded(b_rows, n).t(), scale_a=scale_a.clone(), scale_b=scale_b.clone(), out_dtype=torch.float32,
         use_fast_accum=True,
     )  # fmt: skip
     return product[:m, :n]
