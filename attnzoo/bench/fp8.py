@@ -92,6 +92,30 @@ def run(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """TFLOP/s against N per implementation, one panel per mask (full, causal)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4), squeeze=False)
+    for ax, causal in zip(axes[0], (False, True), strict=True):
+        points = [r for r in rows if str(r["causal"]) == str(causal)]
+        for impl in dict.fromkeys(r["impl"] for r in points):
+            line = sorted((int(r["N"]), float(r["tflops"])) for r in points if r["impl"] == impl)
+            ax.plot([n for n, _ in line], [t for _, t in line], "-o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("N")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title("causal" if causal else "full", fontsize=9)
+    axes[0][0].legend(fontsize=7)
+    d = rows[0]["d"] if rows else ""
+    fig.suptitle(f"FP8 (e4m3) forward beside bfloat16, D={d}, 16k tokens", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> int:
     cli = argparse.ArgumentParser(prog="python -m attnzoo.bench.fp8", description=__doc__.split("\n\n")[0])
     cli.add_argument("--N", type=lambda t: [int(x) for x in t.split(",")], default=[4096, 8192, 16384])
@@ -100,7 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--d", type=int, default=128)
     cli.add_argument("--out", type=Path, help="CSV to write")
     cli.add_argument("--autotune", action="store_true", help="time every candidate config of each key first")
+    cli.add_argument("--plot", type=Path, help="PNG to write")
+    cli.add_argument("--replot", type=Path, metavar="CSV", help="only draw --plot from a CSV this script wrote")
     args = cli.parse_args(argv)
+    if args.replot:
+        with open(args.replot, newline="") as f:
+            plot(list(csv.DictReader(f)), args.plot or args.replot.with_suffix(".png"))
+        return 0
     if not torch.cuda.is_available():
         print("python -m attnzoo.bench.fp8: error: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -113,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             writer = csv.DictWriter(f, fieldnames=COLUMNS)
             writer.writeheader()
             writer.writerows(rows)
+    if args.plot:
+        plot(rows, args.plot)
     for line in tuning.tuned_report().values():
         print(f"[tuned] {line}")
     for key, (cfg, source) in tuning.chosen_configs().items():
