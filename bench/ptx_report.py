@@ -109,7 +109,8 @@ def gluon_source(
     (``forward_gluon.attention_forward_hopper``, ``backward_gluon.attention_dkdv_hopper``) specialises it, and the
     ``num_warps`` it launches with: descriptors of ``[1, 1, rows, d]`` boxes; the forward's q/o boxes hold one
     warpgroup's 64 rows, its k/v boxes BLOCK_N; the dK/dV kernel's q/dO boxes BLOCK_M rows, its k/v/dK/dV BLOCK_N.
-    ``dv``: the forward's value head dim (v and o boxes; None: ``d``)."""
+    ``dv``: the forward's value head dim (v and o boxes; None: ``d``).  ``dtype`` "fp8" (the forward only): e4m3
+    q/k/v boxes, v's as ``[1, 1, Dv, BLOCK_N]`` boxes of its keys-contiguous view, o in bfloat16 (DESCALE)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -126,15 +127,20 @@ def gluon_source(
     dv = d if dv is None else dv
     d_first, d_second = head_dim_parts(d) if kernel_name == "forward" else (d, 0)
 
-    def descriptor(rows: int, width: int) -> str:
+    fp8 = dtype == "fp8"
+
+    def descriptor(rows: int, width: int, name: str) -> str:
         box = [1, 1, rows, width]
-        layout = gl.NVMMASharedLayout.get_default_for(box, gl.float16 if dtype == "fp16" else gl.bfloat16)
-        return f"tensordesc<{DTYPES[dtype]}[{', '.join(map(str, box))}],{layout!r}>"
+        element = "bf16" if fp8 and name == "o_desc" else dtype
+        gl_dtype = {"fp16": gl.float16, "bf16": gl.bfloat16, "fp8": gl.float8e4nv}[element]
+        layout = gl.NVMMASharedLayout.get_default_for(box, gl_dtype)
+        return f"tensordesc<{DTYPES[element]}[{', '.join(map(str, box))}],{layout!r}>"
 
     flags = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=d_first, BLOCK_D2=d_second, BLOCK_DV=dv,
                  CAUSAL=causal, NUM_STAGES=cfg.num_stages, IS_FP16=dtype == "fp16", NUM_WARPGROUPS=cfg.block_m // 64,
                  WINDOW_LEFT="window" in modifiers, WINDOW_RIGHT=False, SOFTCAP="softcap" in modifiers,
-                 ALIBI="alibi" in modifiers, PERSISTENT=cfg.persistent, VARLEN="varlen" in modifiers)  # fmt: skip
+                 ALIBI="alibi" in modifiers, PERSISTENT=cfg.persistent, VARLEN="varlen" in modifiers,
+                 DESCALE=fp8)  # fmt: skip
     signature, constexprs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in flags:
@@ -142,9 +148,12 @@ def gluon_source(
         elif name.endswith("_desc"):
             rows = q_rows if name in ("q_desc", "q2_desc", "o_desc", "do_desc") else cfg.block_n
             width = {"v_desc": dv, "o_desc": dv, "q2_desc": d_second or d_first, "k2_desc": d_second or d_first}
-            signature[name] = descriptor(rows, width.get(name, d_first))
+            if fp8 and name == "v_desc":  # v keys-contiguous: Dv rows of BLOCK_N keys
+                signature[name] = descriptor(dv, cfg.block_n, name)
+            else:
+                signature[name] = descriptor(rows, width.get(name, d_first), name)
         elif name in ("o_ptr", "dk_ptr", "dv_ptr"):  # packed outputs (the rows of a slab cut by a sequence end)
-            signature[name] = f"*{DTYPES[dtype]}"
+            signature[name] = "*bf16" if fp8 else f"*{DTYPES[dtype]}"
         elif name.endswith("_ptr") or name in INT32_POINTERS:
             signature[name] = "*i32" if name in INT32_POINTERS else "*fp32"
         else:

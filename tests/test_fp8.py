@@ -16,6 +16,10 @@ from hypothesis import strategies as st
 import attnzoo
 from attnzoo import oracle
 from attnzoo.fp8 import FP8, descale_table, fp8_recipe
+from attnzoo.kernels.gluon_hopper import gluon_unavailable_reason
+from attnzoo.kernels.launch import KernelVariant, prepare
+from attnzoo.kernels.tuning import CANDIDATES
+from attnzoo.validation import validate_forward
 
 HAS_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
@@ -136,11 +140,48 @@ GPU_CASES = [
 @pytest.mark.skipif(not HAS_FP8_GPU, reason="FP8 tensor cores: compute capability 8.9 and later")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
-def test_triton_fp8_forward_on_the_gpu(case, causal):
-    """The FP8 kernel (``kernels/forward.py``, DESCALE) within the rule; o starts as NaN, so unwritten rows fail."""
+@pytest.mark.parametrize("forward", [None, "64x64 w4 s3", "128x128 w8 s3"], ids=str)
+def test_triton_fp8_forward_on_the_gpu(forward, case, causal):
+    """The FP8 forward within the rule, as the backend picks its kernel (None) and pinned to tiles of the Triton
+    kernel (``kernels/forward.py``, DESCALE); o starts as NaN, so unwritten rows fail."""
     *shape, factors = case
     q, k, v, values = _inputs(*shape, factors, sum(shape), "cuda")
-    _check("triton_2kernel", q, k, v, values, causal)
+    _check(attnzoo.get("triton_2kernel", configs=forward and {"forward": forward}), q, k, v, values, causal)
+
+
+# Cases in the Gluon forward's FP8 scope (D = Dv = 64 or 128; Nk a multiple of 16, so that v's keys-contiguous view
+# has 16-byte aligned rows for TMA): Q tails, one query row, GQA, Nq != Nk, factors of either sign and zero.
+GLUON_CASES = [
+    (2, 8, 2, 1000, 1008, 128, 128, "head"),
+    (3, 4, 1, 129, 256, 128, 128, "signed"),
+    (1, 4, 4, 1, 304, 64, 64, "tensor"),
+    (2, 2, 2, 77, 64, 64, 64, "zero-k"),
+    (2, 4, 2, 200, 192, 64, 64, "signed"),
+]
+GLUON_FORWARD = [c for c in CANDIDATES["forward"] if c.gluon and not c.persistent]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_FP8_GPU, reason="FP8 tensor cores: compute capability 8.9 and later")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", GLUON_CASES, ids=str)
+@pytest.mark.parametrize("forward", GLUON_FORWARD, ids=str)
+def test_gluon_fp8_forward_on_the_gpu(forward, case, causal):
+    """Every non-persistent Gluon forward config, pinned, on FP8 inputs (``forward_gluon.py``, DESCALE): within the
+    rule, every row written; the launch layer sends each case to the Gluon kernel (a case out of its scope would
+    pass on the Triton twin)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels need an sm_90 GPU")
+    *shape, factors = case
+    q, k, v, values = _inputs(*shape, factors, sum(shape) + 1, "cuda")
+    v = v.transpose(-1, -2).contiguous().transpose(-1, -2)  # what the kernel reads (else the backend copies it)
+    problem = validate_forward(q, k, v, causal, None, fp8=True)
+    table = descale_table(*values, problem.batch, problem.kv_heads, q.device)
+    reasons = prepare(q, k, v, problem, descale=table).gluon_reasons(KernelVariant.FORWARD)
+    assert not reasons, reasons
+    _check(attnzoo.get("triton_2kernel", configs={"forward": forward}), q, k, v, values, causal)
+    # A Gluon compilation error would have switched the Triton twin in, with a warning only.
+    assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
 
 @pytest.mark.gpu

@@ -222,13 +222,13 @@ def attention_forward(call: PreparedCall) -> tuple[torch.Tensor, torch.Tensor]:
     modifiers = call.modifiers
 
     def launch(cfg) -> None:
-        # A packed batch runs one Q block per program: a persistent config runs its Triton twin there.
-        if cfg.gluon and hopper and not (call.varlen and cfg.persistent):
+        # A packed batch or FP8 inputs run one Q block per program: a persistent config runs its Triton twin there.
+        if cfg.gluon and hopper and not (cfg.persistent and (call.varlen or call.descale is not None)):
             try:
                 attention_forward_hopper(
                     q, k, v, o, lse, call.scale, call.causal, modifiers,
                     cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.persistent,
-                    varlen=call.varlen_args if call.varlen else None,
+                    varlen=call.varlen_args if call.varlen else None, descale=call.descale,
                 )  # fmt: skip
                 return
             except CompilationError as error:  # Gluon's API drifted (frontend error): the Triton kernel's tiles serve

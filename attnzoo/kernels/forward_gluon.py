@@ -140,12 +140,13 @@ if gluon is not None:
             return alibi_local
 
     @gluon.jit
-    def _softmax_step(s, m_i, l_i, qk_scale, DTYPE: gl.constexpr, p_layout: gl.constexpr):
+    def _softmax_step(s, m_i, l_i, qk_scale, DTYPE: gl.constexpr, p_layout: gl.constexpr, P_IN_REGISTERS: gl.constexpr):
         """Online softmax of one raw score tile ``s`` ``[BLOCK_M, BLOCK_N]`` (``-inf`` = hidden) in base 2.
 
         ``qk_scale = scale * log2(e) > 0``, so the max of the scaled scores is the max of the raw ones times it and
-        each score costs one FFMA and one exp2.  Returns ``P`` (in the input dtype, laid out as the left operand of
-        ``P V`` in registers), ``alpha = exp2(m_old - m_new)`` for rescaling O, and the new running max and sum.
+        each score costs one FFMA and one exp2.  Returns ``P`` (in the operands' dtype; P_IN_REGISTERS: laid out as
+        the left operand of ``P V`` in registers, else as the S accumulator, for ``_stage_p``), ``alpha =
+        exp2(m_old - m_new)`` for rescaling O, and the new running max and sum.
         """
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         # A row that has seen no visible key keeps m = -inf; shifting it by 0 keeps exp2(-inf - -inf) = NaN out.
@@ -153,8 +154,30 @@ if gluon is not None:
         alpha = gl.exp2(m_i - m_shift)
         p = gl.exp2(s * qk_scale - m_shift[:, None])
         l_i = l_i * alpha + gl.sum(p, 1)
-        p_op = gl.convert_layout(p.to(DTYPE), p_layout)
+        if P_IN_REGISTERS:
+            p_op = gl.convert_layout(p.to(DTYPE), p_layout)
+        else:
+            p_op = p.to(DTYPE)
         return p_op, alpha, m_new, l_i
+
+    @gluon.jit
+    def _stage_p(p, p_smem, slot, DESCALE: gl.constexpr):
+        """FP8 (DESCALE): P into its shared-memory slot, from which ``P V`` reads it (``_p_operand``).  A 16-bit P
+        stays in registers, kept alive until its product is done by passing it through ``warpgroup_mma_wait``;
+        that wait takes no 8-bit values (Triton 3.6-3.9), so an e4m3 P goes through shared memory.  The caller's
+        barrier makes every warp's rows land before the product."""
+        if DESCALE:
+            p_smem.index(slot).store(p)
+            fence_async_shared()
+
+    @gluon.jit
+    def _p_operand(p, p_smem, slot, DESCALE: gl.constexpr):
+        """``P V``'s left operand: P's registers, or (DESCALE) its shared-memory slot."""
+        if DESCALE:
+            operand = p_smem.index(slot)
+        else:
+            operand = p
+        return operand
 
     @gluon.jit
     def _zero_tail(tile, first_zero):
@@ -187,12 +210,45 @@ if gluon is not None:
         return s
 
     @gluon.jit
+    def _load_v(desc, bars, ring, index, batch, head, key, pred, NUM_STAGES: gl.constexpr, KEYS_INNER: gl.constexpr):
+        """V tile ``index`` (keys ``key ..``) into its ring slot: a ``[BLOCK_N, Dv]`` box, or (KEYS_INNER, FP8) a
+        ``[Dv, BLOCK_N]`` box of the keys-contiguous ``[B, H, Dv, N]`` view of v."""
+        if KEYS_INNER:
+            slot = index % NUM_STAGES
+            bar = bars.index(slot)
+            mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
+            tma_load(desc, [batch, head, 0, key], bar, ring.index(slot), pred=pred)
+        else:
+            ring_load(desc, bars, ring, index, batch, head, key, pred, NUM_STAGES)
+
+    @gluon.jit
+    def _wait_v(bars, ring, index, BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr, NUM_STAGES: gl.constexpr,
+                KEYS_INNER: gl.constexpr):  # fmt: skip
+        """Wait for V tile ``index``; returns it as ``P V``'s right operand ``[BLOCK_N, Dv]`` (KEYS_INNER: the
+        transposed view of a ``[Dv, BLOCK_N]`` slot, whose keys, the product's K, are contiguous: an FP8 ``wgmma``
+        takes its right operand K-major only)."""
+        if KEYS_INNER:
+            v_tile = ring_wait(bars, ring, index, BLOCK_DV, BLOCK_N, NUM_STAGES).permute((1, 0))
+        else:
+            v_tile = ring_wait(bars, ring, index, BLOCK_N, BLOCK_DV, NUM_STAGES)
+        return v_tile
+
+    @gluon.jit
+    def _signed_scores(s, flip, DESCALE: gl.constexpr):
+        """FP8 (DESCALE): the raw scores times -1 where the product of the q and k factors is negative (``flip``),
+        so that the softmax scales them by a positive ``|qk_scale|`` and the masks' ``-inf`` stays hidden."""
+        if DESCALE:  # noqa: SIM102 - a compile-time branch around a runtime one
+            if flip:
+                s = -s
+        return s
+
+    @gluon.jit
     def _attend_rows(
         k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers, packed,
         WARPGROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
         BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
         INLINE_LOADS: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-        ALIBI: gl.constexpr, VARLEN: gl.constexpr,
+        ALIBI: gl.constexpr, VARLEN: gl.constexpr, DESCALE: gl.constexpr,
     ):  # fmt: skip
         """o and lse of the 64 rows of warpgroup ``WARPGROUP`` of the Q block (4 warps; the loop of the module
         docstring).  INLINE_LOADS: this warpgroup refills the K/V slots itself (the whole block is one warpgroup);
@@ -201,7 +257,9 @@ if gluon is not None:
         Tile ``j`` holds keys ``first_key + j * BLOCK_N ..``; tiles ``j < left_tiles`` (cut by the window's left
         edge) and ``j >= unmasked_tiles`` (the diagonal, the right edge, Nk) take the mask, the others none.  It is
         number ``kv_base + j`` of the K/V rings (a persistent program's earlier Q blocks used the numbers before), and
-        the Q rows arrive in phase ``q_phase`` of their barrier.
+        the Q rows arrive in phase ``q_phase`` of their barrier.  ``o_factor`` multiplies o (FP8's v factor, else 1).
+        DESCALE (FP8 inputs): q, k, v and P in e4m3, o in bfloat16, V slots keys-contiguous (``_wait_v``), and
+        ``qk_scale`` (times the q and k factors) of either sign (``_signed_scores``).
         ``modifiers = (window_left, window_right, cap_in, cap_out, slope2)``, each read only under its flag; with the
         soft cap or ALiBi the scores are scaled and modified before the mask, and the softmax takes them as they are.
 
@@ -213,24 +271,33 @@ if gluon is not None:
         (INLINE_LOADS) the warpgroup zeroes the rows of its last V tile past the sequence (``zero_rows_from``; the
         producer warp does it otherwise).
         """
-        q_smem, q2_smem, k_ring, k2_ring, v_ring, o_smem = smem
+        q_smem, q2_smem, k_ring, k2_ring, v_ring, o_smem, p_smem = smem
         q_bars, k_ready, v_ready, k_empty, v_empty = bars
         (bh, _, head, kv_head, start_m, seqlen_q, seqlen_k,
-         first_key, left_tiles, unmasked_tiles, n_tiles, qk_scale, q_phase, kv_base) = scalars  # fmt: skip
+         first_key, left_tiles, unmasked_tiles, n_tiles, qk_scale, q_phase, kv_base, o_factor) = scalars  # fmt: skip
         window_left, window_right, cap_in, cap_out, slope2 = modifiers
         coord_batch, row_origin, key_origin, total_q, o_ptr, stride_o_row = packed
         MODIFIED: gl.constexpr = SOFTCAP or ALIBI
         ROWS: gl.constexpr = q_smem.type.shape[3]
-        DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
+        DTYPE: gl.constexpr = gl.float8e4nv if DESCALE else (gl.float16 if IS_FP16 else gl.bfloat16)
+        O_DTYPE: gl.constexpr = gl.bfloat16 if DESCALE else DTYPE
+        OPERAND_BITS: gl.constexpr = 8 if DESCALE else 16
         # Accumulator layouts of the two products (one warpgroup: a thread holds 2 of the 64 rows).
-        s_layout: gl.constexpr = accumulator_layout(4, BLOCK_N)
-        o_layout: gl.constexpr = accumulator_layout(4, BLOCK_DV)
-        # P goes from the S accumulator's registers straight into P V as its register operand (no shared memory).
+        s_layout: gl.constexpr = accumulator_layout(4, BLOCK_N, OPERAND_BITS)
+        o_layout: gl.constexpr = accumulator_layout(4, BLOCK_DV, OPERAND_BITS)
+        # A 16-bit P goes from the S accumulator's registers straight into P V as its register operand (no shared
+        # memory); an FP8 one through shared memory (_stage_p), in slots 2 * WARPGROUP + (tile % 2).
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 
+        flip = False
+        if DESCALE:
+            flip = qk_scale < 0.0
+            # |qk_scale|, at least float32's smallest normal: the masks' -inf times a zero factor would be NaN, and
+            # a zero factor's scores (|s| < 448^2 * 256 < 2^26) scaled by 2^-126 still give exp2 = 1 (all equal).
+            qk_scale = gl.maximum(gl.maximum(qk_scale, -qk_scale), 1.1754943508222875e-38)
         start_m = start_m + WARPGROUP * ROWS
         diagonal_offset = seqlen_k - seqlen_q
         alibi_origin = start_m + diagonal_offset  # r0 of _modified_scores: this warpgroup's first row's position
@@ -251,6 +318,7 @@ if gluon is not None:
         s = warpgroup_mma_wait(0, deps=(s,))
         if not INLINE_LOADS:
             mbarrier.arrive(k_empty.index(kv_base % NUM_STAGES))
+        s = _signed_scores(s, flip, DESCALE)
         keys = first_key + local_keys
         step_scale = qk_scale
         if MODIFIED:
@@ -265,7 +333,10 @@ if gluon is not None:
             )
         m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([ROWS], gl.float32, s_rows)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, step_scale, DTYPE, p_layout)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, step_scale, DTYPE, p_layout, not DESCALE)
+        _stage_p(p, p_smem, 2 * WARPGROUP, DESCALE)
+        if DESCALE:
+            cta_barrier()
         acc = gl.zeros([ROWS, BLOCK_DV], gl.float32, o_layout)
 
         for j in range(1, n_tiles):
@@ -278,16 +349,16 @@ if gluon is not None:
                 first = key_origin + first_key
                 _load_qk(k_desc, k2_desc, k_ready, k_ring, k2_ring, k_next, coord_batch, kv_head,
                          first + k_next * BLOCK_N, k_next < n_tiles, NUM_STAGES, BLOCK_D2 > 0)  # fmt: skip
-                ring_load(v_desc, v_ready, v_ring, v_next, coord_batch, kv_head, first + v_next * BLOCK_N,
-                          v_next < n_tiles, NUM_STAGES)  # fmt: skip
+                _load_v(v_desc, v_ready, v_ring, v_next, coord_batch, kv_head, first + v_next * BLOCK_N,
+                        v_next < n_tiles, NUM_STAGES, DESCALE)  # fmt: skip
 
             # The last S tile's registers serve as the (ignored) accumulator input: no zero tile per iteration.
             s = _issue_scores(
                 q_tile, q2_tile, k_ready, k_ring, k2_ring, kv_base + j, s, BLOCK_N, BLOCK_D, BLOCK_D2, NUM_STAGES
             )
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            v_tile = ring_wait(v_ready, v_ring, kv_base + j - 1, BLOCK_N, BLOCK_DV, NUM_STAGES)
-            acc = warpgroup_mma(p, v_tile, acc, is_async=True)
+            v_tile = _wait_v(v_ready, v_ring, kv_base + j - 1, BLOCK_N, BLOCK_DV, NUM_STAGES, DESCALE)
+            acc = warpgroup_mma(_p_operand(p, p_smem, 2 * WARPGROUP + (j - 1) % 2, DESCALE), v_tile, acc, is_async=True)
             # wgmma groups complete in order: one outstanding means S_j (both parts) is done and P_{j-1} V_{j-1} may
             # still run.
             s = warpgroup_mma_wait(1, deps=(s,))
@@ -295,6 +366,7 @@ if gluon is not None:
                 # A wgmma is one operation of the whole warpgroup: once it is complete in this thread, it has read
                 # its shared memory for all four warps, so one arrive per warpgroup frees the slot.
                 mbarrier.arrive(k_empty.index((kv_base + j) % NUM_STAGES))
+            s = _signed_scores(s, flip, DESCALE)
             keys = first_key + j * BLOCK_N + local_keys
             if MODIFIED:
                 alibi_cols = _alibi_cols(alibi_local, first_key + j * BLOCK_N, alibi_origin, slope2, CAUSAL, ALIBI)
@@ -307,19 +379,28 @@ if gluon is not None:
                     s, rows, keys, diagonal_offset, seqlen_k, window_left, window_right, CAUSAL, WINDOW_LEFT,
                     WINDOW_RIGHT,
                 )  # fmt: skip
-            p_next, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, step_scale, DTYPE, p_layout)
-            # P_{j-1} stays alive (the product reads it from registers) until this wait.
-            acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+            p_next, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, step_scale, DTYPE, p_layout, not DESCALE)
+            _stage_p(p_next, p_smem, 2 * WARPGROUP + j % 2, DESCALE)  # the slot P_{j-2} V_{j-2} read
+            if DESCALE:
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                cta_barrier()  # every warp's rows of P_j are in place, and every warp is done with P_{j-1}'s slot
+            else:
+                # P_{j-1} stays alive (the product reads it from registers) until this wait.
+                acc, p = warpgroup_mma_wait(0, deps=(acc, p))
             if not INLINE_LOADS:
                 mbarrier.arrive(v_empty.index((kv_base + j - 1) % NUM_STAGES))
             p = p_next
 
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        v_tile = ring_wait(v_ready, v_ring, kv_base + n_tiles - 1, BLOCK_N, BLOCK_DV, NUM_STAGES)
+        v_tile = _wait_v(v_ready, v_ring, kv_base + n_tiles - 1, BLOCK_N, BLOCK_DV, NUM_STAGES, DESCALE)
         if VARLEN and INLINE_LOADS:  # only the last tile can reach past the sequence: the others end before `end`
             _zero_tail(v_tile, seqlen_k - (first_key + (n_tiles - 1) * BLOCK_N))
-        acc = warpgroup_mma(p, v_tile, acc, is_async=True)
-        acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+        acc = warpgroup_mma(_p_operand(p, p_smem, 2 * WARPGROUP + (n_tiles - 1) % 2, DESCALE), v_tile, acc,
+                            is_async=True)  # fmt: skip
+        if DESCALE:
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+        else:
+            acc, p = warpgroup_mma_wait(0, deps=(acc, p))
         if not INLINE_LOADS:
             # The last V slot too: a persistent producer refills it for its next Q block.
             mbarrier.arrive(v_empty.index((kv_base + n_tiles - 1) % NUM_STAGES))
@@ -331,13 +412,16 @@ if gluon is not None:
         if ALIBI and CAUSAL:  # the row's constant that _modified_scores left in its scores: slope (i' - r0)
             lse2 = lse2 - slope2 * (rows - start_m).to(gl.float32)
         lse = gl.where(empty, float("-inf"), lse2 * 0.6931471805599453)
-        o_tile = acc * gl.convert_layout(1.0 / l_safe, o_rows)[:, None]
+        o_scale = 1.0 / l_safe
+        if DESCALE:  # P V summed the stored values of v: the real ones are o_factor times them
+            o_scale = o_scale * o_factor
+        o_tile = acc * gl.convert_layout(o_scale, o_rows)[:, None]
         # O leaves through shared memory (this warpgroup's Q rows when Dv = D, which the products no longer read):
         # one TMA store (rows past Nq are dropped by the copy engine), or, for a slab that the end of a packed
         # sequence cuts, masked stores of its own rows.
         o_slot = o_smem.index(WARPGROUP)
         cta_barrier()  # every warp is past the waits of the products that read Q
-        o_slot.reshape([ROWS, BLOCK_DV]).store(o_tile.to(DTYPE))
+        o_slot.reshape([ROWS, BLOCK_DV]).store(o_tile.to(O_DTYPE))
         fence_async_shared()
         cta_barrier()
         if VARLEN:
@@ -360,7 +444,7 @@ if gluon is not None:
         q_desc, k_desc, q2_desc, k2_desc, v_desc, smem, bars, q_empty, batch, head, kv_head, start_m, first_key,
         n_tiles, kv_base, q_round, key_end, v_tail,
         BLOCK_N: gl.constexpr, BLOCK_D2: gl.constexpr, NUM_WARPGROUPS: gl.constexpr, NUM_STAGES: gl.constexpr,
-        PERSISTENT: gl.constexpr, VARLEN: gl.constexpr,
+        PERSISTENT: gl.constexpr, VARLEN: gl.constexpr, KEYS_INNER: gl.constexpr,
     ):  # fmt: skip
         """The producer warp of the warp-specialised block: each warpgroup's Q rows, then K and V tile ``i`` (ring
         number ``kv_base + i``) into its slot as soon as every warpgroup has released the slot's previous tile.
@@ -372,8 +456,9 @@ if gluon is not None:
         ``batch``, ``start_m`` and ``first_key`` are TMA coordinates (packed: 0 and rows of the whole tensor).
         VARLEN: a V tile that reaches past the sequence's last key ``key_end`` lands on ``v_tail`` instead; this warp
         zeroes its rows past the sequence (``zero_rows_from``) and only then completes the slot's "ready" barrier
-        (a plain arrive: its count is one and no bytes are expected of it)."""
-        q_smem, q2_smem, k_ring, k2_ring, v_ring, _ = smem
+        (a plain arrive: its count is one and no bytes are expected of it).  KEYS_INNER: v's boxes are ``[Dv,
+        BLOCK_N]`` (FP8, ``_load_v``)."""
+        q_smem, q2_smem, k_ring, k2_ring, v_ring, _, _ = smem
         q_bars, k_ready, v_ready, k_empty, v_empty = bars
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
         if not PERSISTENT:
@@ -398,7 +483,7 @@ if gluon is not None:
                 zero_rows_from(v_tile.reshape([v_tile.type.shape[2], v_tile.type.shape[3]]), key_end - key, 1)
                 mbarrier.arrive(v_ready.index(slot))
             else:
-                ring_load(v_desc, v_ready, v_ring, index, batch, kv_head, key, True, NUM_STAGES)
+                _load_v(v_desc, v_ready, v_ring, index, batch, kv_head, key, True, NUM_STAGES, KEYS_INNER)
             if PERSISTENT:  # noqa: SIM102 - a compile-time branch around a runtime one
                 if i == 0:
                     for w in gl.static_range(NUM_WARPGROUPS):
@@ -487,11 +572,11 @@ if gluon is not None:
              seqlen_k, packed) = _q_block(_round_tile(tile, num_tiles, CAUSAL), problem, 128, BLOCK_N, CAUSAL,
                                           WINDOW_LEFT, WINDOW_RIGHT, ALIBI, False)  # fmt: skip
             scalars = (bh, batch, head, kv_head, start_m, seqlen_q, seqlen_k, start, left_tiles, unmasked_tiles,
-                       n_tiles, qk_scale, q_round & 1, kv_base)  # fmt: skip
+                       n_tiles, qk_scale, q_round & 1, kv_base, 1.0)  # fmt: skip
             _attend_rows(k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars,
                          (window_left, window_right, cap_in, cap_out, slope2), packed,
                          WARPGROUP, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16, False,
-                         WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, False)  # fmt: skip
+                         WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, False, False)  # fmt: skip
             mbarrier.arrive(q_empty.index(WARPGROUP))
             kv_base += n_tiles
 
@@ -511,7 +596,7 @@ if gluon is not None:
             )  # fmt: skip
             _load_tiles(q_desc, k_desc, q2_desc, k2_desc, v_desc, smem, bars, q_empty, batch, head, kv_head,
                         start_m, start, n_tiles, kv_base, q_round, seqlen_k, q_empty, BLOCK_N, BLOCK_D2,
-                        NUM_WARPGROUPS, NUM_STAGES, True, False)  # fmt: skip
+                        NUM_WARPGROUPS, NUM_STAGES, True, False, False)  # fmt: skip
             kv_base += n_tiles
 
     @gluon.jit(do_not_specialize=[
@@ -522,11 +607,11 @@ if gluon is not None:
         q_desc, k_desc, q2_desc, k2_desc, v_desc, o_desc, lse_ptr,
         num_heads, group_size, seqlen_q, seqlen_k, num_m_blocks, qk_scale,
         window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h, num_tiles,
-        o_ptr, stride_o_row, total_q, cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps,
+        o_ptr, stride_o_row, total_q, cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps, descale_ptr,
         BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr,
         CAUSAL: gl.constexpr, NUM_WARPGROUPS: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
         WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-        PERSISTENT: gl.constexpr, VARLEN: gl.constexpr,
+        PERSISTENT: gl.constexpr, VARLEN: gl.constexpr, DESCALE: gl.constexpr,
     ):  # fmt: skip
         """o, lse of one Q block of NUM_WARPGROUPS * 64 rows of one (batch, head); grid: 1-d, ``num_tiles`` =
         num_m_blocks * B * H programs (as ``forward.py``); launched with 4 warps (the first warpgroup; the
@@ -544,8 +629,12 @@ if gluon is not None:
         ``[total, H, D]`` tensors, the grid is ``num_m_blocks = total_q // BLOCK_M + B`` slots per head
         (``common.varlen_block``; idle slots return at once), ``o_ptr``/``stride_o_row`` address the packed o for
         the rows a TMA box may not write, and lse is ``[H, total_q]``.
+
+        DESCALE (FP8 inputs, ``attnzoo.attention_fp8``; dense, not PERSISTENT, one column part): q, k, v are e4m3,
+        ``descale_ptr`` is float32 ``[B, Hkv, 3]`` (the factors of q, k and v), o is bfloat16, and ``v_desc`` is over
+        the keys-contiguous ``[B, Hkv, Dv, Nk]`` view of v with ``[1, 1, Dv, BLOCK_N]`` boxes.
         """
-        DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
+        DTYPE: gl.constexpr = gl.float8e4nv if DESCALE else (gl.float16 if IS_FP16 else gl.bfloat16)
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
         gl.static_assert(ROWS == 64, "q/o boxes of one warpgroup's 64 rows")
         BLOCK_M: gl.constexpr = ROWS * NUM_WARPGROUPS
@@ -560,6 +649,14 @@ if gluon is not None:
             if start_m >= seqlen_q:  # an idle slot of the packed grid
                 return
         coord_batch, row_origin, key_origin = packed[0], packed[1], packed[2]
+        if DESCALE:
+            gl.static_assert(not (VARLEN or PERSISTENT or BLOCK_D2 > 0), "FP8: dense calls, one column part")
+            factors = descale_ptr + (batch * (num_heads // group_size) + kv_head) * 3
+            # The scores of the stored values times the q and k factors are the real scores.
+            qk_scale = qk_scale * gl.load(factors) * gl.load(factors + 1)
+            o_factor = gl.load(factors + 2)
+        else:
+            o_factor = 1.0
 
         q_smem = gl.allocate_shared_memory(DTYPE, [NUM_WARPGROUPS, 1, 1, ROWS, BLOCK_D], q_desc.layout)
         k_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
@@ -569,11 +666,21 @@ if gluon is not None:
         else:
             q2_smem = q_smem
             k2_ring = k_ring
-        v_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_DV], v_desc.layout)
-        if BLOCK_DV == BLOCK_D:
+        if DESCALE:
+            v_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_DV, BLOCK_N], v_desc.layout)
+        else:
+            v_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_DV], v_desc.layout)
+        if BLOCK_DV == BLOCK_D and not DESCALE:
             o_smem = q_smem  # O leaves through the Q rows
         else:
-            o_smem = gl.allocate_shared_memory(DTYPE, [NUM_WARPGROUPS, 1, 1, ROWS, BLOCK_DV], o_desc.layout)
+            o_smem = gl.allocate_shared_memory(
+                o_desc.block_type.element_ty, [NUM_WARPGROUPS, 1, 1, ROWS, BLOCK_DV], o_desc.layout
+            )
+        if DESCALE:  # two P slots per warpgroup (_stage_p)
+            p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], DTYPE)
+            p_smem = gl.allocate_shared_memory(DTYPE, [2 * NUM_WARPGROUPS, ROWS, BLOCK_N], p_layout)
+        else:
+            p_smem = q_smem  # not used
         q_bars = gl.allocate_shared_memory(gl.int64, [NUM_WARPGROUPS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -599,7 +706,7 @@ if gluon is not None:
             mbarrier.init(v_empty.index(i), count=NUM_WARPGROUPS)
         fence_async_shared()
 
-        smem = (q_smem, q2_smem, k_ring, k2_ring, v_ring, o_smem)
+        smem = (q_smem, q2_smem, k_ring, k2_ring, v_ring, o_smem, p_smem)
         bars = (q_bars, k_ready, v_ready, k_empty, v_empty)
         scalars = (
             bh,
@@ -616,6 +723,7 @@ if gluon is not None:
             qk_scale,
             0,  # q_phase
             0,  # kv_base
+            o_factor,
         )
         modifiers = (window_left, window_right, cap_in, cap_out, slope2)
         if NUM_WARPGROUPS == 1:
@@ -628,11 +736,11 @@ if gluon is not None:
                 _load_qk(k_desc, k2_desc, k_ready, k_ring, k2_ring, i, coord_batch, kv_head, first + i * BLOCK_N,
                          i < n_tiles, NUM_STAGES, BLOCK_D2 > 0)  # fmt: skip
             for i in gl.static_range(NUM_STAGES - 1):
-                ring_load(v_desc, v_ready, v_ring, i, coord_batch, kv_head, first + i * BLOCK_N, i < n_tiles,
-                          NUM_STAGES)  # fmt: skip
+                _load_v(v_desc, v_ready, v_ring, i, coord_batch, kv_head, first + i * BLOCK_N, i < n_tiles,
+                        NUM_STAGES, DESCALE)  # fmt: skip
             _attend_rows(k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers, packed,
                          0, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16, True,
-                         WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, VARLEN)  # fmt: skip
+                         WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, VARLEN, DESCALE)  # fmt: skip
         elif PERSISTENT:
             gl.static_assert(NUM_WARPGROUPS == 2, "persistent blocks are warp-specialised")
             gl.warp_specialize(
@@ -659,14 +767,14 @@ if gluon is not None:
                 [
                     (_attend_rows, (k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers, packed,
                                     0, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16, False,
-                                    WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, VARLEN)),
+                                    WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, VARLEN, DESCALE)),
                     (_attend_rows, (k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers, packed,
                                     1, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16, False,
-                                    WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, VARLEN)),
+                                    WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, VARLEN, DESCALE)),
                     (_load_tiles, (q_desc, k_desc, q2_desc, k2_desc, v_desc, smem, bars, q_empty, coord_batch, head,
                                    kv_head, row_origin + start_m, key_origin + start, n_tiles, 0, 0,
                                    key_origin + seqlen_k, v_tail, BLOCK_N, BLOCK_D2, NUM_WARPGROUPS, NUM_STAGES,
-                                   False, VARLEN)),
+                                   False, VARLEN, DESCALE)),
                 ],
                 [4, 1],
                 [232, 24],
@@ -700,6 +808,7 @@ def attention_forward_hopper(
     num_stages: int = 2,
     persistent: bool = False,
     varlen: tuple | None = None,
+    descale: torch.Tensor | None = None,
 ) -> None:
     """Write ``o`` ``[B, H, Nq, Dv]`` (contiguous, dtype of q) and ``lse`` ``[B, H, Nq]`` float32 of one call.
 
@@ -713,6 +822,9 @@ def attention_forward_hopper(
     ``varlen = (cu_seqlens_q, cu_seqlens_k, B, search_steps)``: a packed batch (``launch.PreparedCall.varlen_args``),
     q ``[total_q, H, D]``, k ``[total_k, Hkv, D]``, v ``[total_k, Hkv, Dv]``, o ``[total_q, H, Dv]`` (contiguous),
     lse ``[H, total_q]``; not persistent.
+
+    ``descale``: FP8 inputs (``attnzoo.attention_fp8``), q, k, v ``float8_e4m3fn`` with float32 factors ``[B, Hkv,
+    3]``, v stored keys-contiguous (``v.stride(-2) == 1``), o bfloat16; dense, not persistent, D = 64 or 128.
     """
     o_rows = o
     if varlen is not None:
@@ -752,14 +864,21 @@ def attention_forward_hopper(
         num_m_blocks = Nq // block_m + varlen[2]  # slots per head (common.varlen_block)
         num_tiles = num_m_blocks * H
         sequences = varlen
+    if descale is None:
+        v_desc = tile_descriptor(v, block_n)
+    else:
+        if persistent or varlen is not None or d_second:
+            raise ValueError("FP8 inputs run dense, non-persistent calls with a power-of-two head dim")
+        # The FP8 P V takes V K-major: boxes of the keys-contiguous [B, Hkv, Dv, Nk] view, Dv rows of BLOCK_N keys.
+        v_desc = tile_descriptor(v.transpose(-1, -2), Dv, block_n)
     programs = min(num_tiles, sm_count(q.device)) if persistent else num_tiles
     attention_forward_hopper_kernel[(programs,)](
-        q_desc, k_desc, q2_desc, k2_desc, tile_descriptor(v, block_n), tile_descriptor(o, 64), lse,
+        q_desc, k_desc, q2_desc, k2_desc, v_desc, tile_descriptor(o, 64), lse,
         H, H // Hkv, Nq, Nk, num_m_blocks, scale * LOG2E, *modifiers.args[1:], num_tiles,
-        o_rows, o_rows.stride(0), Nq, *sequences,
+        o_rows, o_rows.stride(0), Nq, *sequences, lse if descale is None else descale,
         BLOCK_N=block_n, BLOCK_D=d_first, BLOCK_D2=d_second, BLOCK_DV=Dv, CAUSAL=causal,
         NUM_WARPGROUPS=block_m // 64, NUM_STAGES=num_stages, IS_FP16=q.dtype == torch.float16,
         WINDOW_LEFT=modifiers.flags["WINDOW_LEFT"], WINDOW_RIGHT=modifiers.flags["WINDOW_RIGHT"],
         SOFTCAP=modifiers.flags["SOFTCAP"] != 0, ALIBI=modifiers.flags["ALIBI"], PERSISTENT=persistent,
-        VARLEN=varlen is not None, num_warps=KERNEL_WARPS,
+        VARLEN=varlen is not None, DESCALE=descale is not None, num_warps=KERNEL_WARPS,
     )  # fmt: skip

@@ -82,10 +82,12 @@ def head_dim_parts(head_dim: int) -> tuple[int, int]:
 if gluon is not None:
 
     @constexpr_function
-    def accumulator_layout(num_warps, columns):
+    def accumulator_layout(num_warps, columns, operand_bits=16):
         """The register layout of a ``wgmma`` accumulator with ``columns`` columns (the product's N): one warpgroup
-        (4 warps of 16 rows) per 64 rows, so ``num_warps // 4`` warpgroups stacked along the rows."""
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, columns, 16])
+        (4 warps of 16 rows) per 64 rows, so ``num_warps // 4`` warpgroups stacked along the rows.  One instruction
+        reduces over 32 bytes of each operand row: K = 16 for 16-bit operands, 32 for FP8 ones."""
+        k = 256 // operand_bits
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, columns, k])
 
     @gluon.jit
     def ring_load(desc, bars, ring, index, batch, head, row, pred, NUM_STAGES: gl.constexpr):
@@ -186,13 +188,14 @@ def record_compile_failure(error: Exception) -> None:
 
 
 @functools.cache
-def _tile_layout(rows: int, head_dim: int, dtype: torch.dtype):
-    """The shared-memory layout of a ``[1, 1, rows, head_dim]`` TMA box (128-byte swizzle for these tiles)."""
-    gl_dtype = gl.float16 if dtype == torch.float16 else gl.bfloat16
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gl_dtype)
+def _tile_layout(rows: int, cols: int, dtype: torch.dtype):
+    """The shared-memory layout of a ``[1, 1, rows, cols]`` TMA box (128-byte swizzle for these tiles)."""
+    gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], gl_dtype)
 
 
-def tile_descriptor(x: torch.Tensor, rows: int) -> GluonTensorDescriptor:
-    """A Gluon TMA descriptor of ``x`` ``[B, H, N, D]`` whose box is ``[1, 1, rows, D]`` (one tile of one head)."""
-    box = [1, 1, rows, x.shape[-1]]
-    return GluonTensorDescriptor(x, list(x.shape), list(x.stride()), box, _tile_layout(rows, x.shape[-1], x.dtype))
+def tile_descriptor(x: torch.Tensor, rows: int, cols: int | None = None) -> GluonTensorDescriptor:
+    """A Gluon TMA descriptor of ``x`` ``[B, H, N, D]`` whose box is ``[1, 1, rows, cols]`` (default: all D columns;
+    one tile of one head)."""
+    box = [1, 1, rows, x.shape[-1] if cols is None else cols]
+    return GluonTensorDescriptor(x, list(x.shape), list(x.stride()), box, _tile_layout(rows, box[3], x.dtype))

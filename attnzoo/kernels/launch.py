@@ -474,6 +474,8 @@ class GluonScope:
     softcap: bool = False
     alibi: bool = False
     varlen: bool = False  # packed batches (``attention_varlen``)
+    # FP8 inputs (``attention_fp8``): the (D, Dv) pairs the kernel takes them with (none: it takes no FP8).
+    fp8_head_dims: tuple[tuple[int, int], ...] = ()
 
     def modifier_reasons(self, modifiers: ScoreModifiers) -> list[str]:
         """The score modifiers of a call that the kernel does not apply."""
@@ -503,9 +505,19 @@ class GluonScope:
         reasons = []
         if _compute_capability_major(q.device.index or 0) != 9:
             reasons.append("wgmma needs an sm_90 (Hopper) GPU")
-        if q.dtype not in HOPPER_DTYPES:
-            reasons.append(f"dtype {q.dtype}: float16 and bfloat16 only")
-        reasons.extend(self.head_dim_reasons(call.problem.head_dim, call.problem.head_dim_v))
+        head_dims = (call.problem.head_dim, call.problem.head_dim_v)
+        v_boxes = call.v
+        if call.descale is not None:
+            if head_dims not in self.fp8_head_dims:
+                reasons.append(f"FP8 inputs with D={head_dims[0]} Dv={head_dims[1]}: " + (
+                    ", ".join(f"D={d} Dv={dv}" for d, dv in self.fp8_head_dims) + " only" if self.fp8_head_dims
+                    else "this Gluon kernel takes float16 and bfloat16 only"
+                ))  # fmt: skip
+            v_boxes = call.v.transpose(-1, -2)  # FP8 reads V keys-contiguous, as [B, Hkv, Dv, Nk]
+        else:
+            if q.dtype not in HOPPER_DTYPES:
+                reasons.append(f"dtype {q.dtype}: float16 and bfloat16 only")
+            reasons.extend(self.head_dim_reasons(*head_dims))
         if call.has_seqlens:
             reasons.append("seqlens_k: the K/V rows past seqlens_k[b] may hold anything, and TMA cannot zero them")
         if call.varlen and not self.varlen:
@@ -518,7 +530,7 @@ class GluonScope:
         if len(extra) != len(self.extra_tma_operands) or not all(descriptor_loads_possible(x) for x in extra):
             names = " and ".join(self.extra_tma_operands)
             reasons.append(f"{names} not addressable by TMA (empty, or not: last stride 1, 16-byte aligned strides)")
-        if not all(descriptor_loads_possible(x) for x in (q, call.k, call.v)):
+        if not all(descriptor_loads_possible(x) for x in (q, call.k, v_boxes)):
             reasons.append("q, k or v not addressable by TMA (empty, or not: last stride 1, 16-byte aligned strides)")
         return reasons
 
@@ -535,6 +547,8 @@ _GLUON_SCOPES = {
         softcap=True,
         alibi=True,
         varlen=True,
+        # tests/test_fp8.py::test_gluon_fp8_forward_on_the_gpu
+        fp8_head_dims=((64, 64), (128, 128)),
     ),
     KernelVariant.DKDV: GluonScope(
         "backward_gluon.py", needs_positive_scale=False, extra_tma_operands=("do",), varlen=True
@@ -588,6 +602,8 @@ def run(
             configs = [c for c in configs if not c.tma] or configs
         if any(c.gluon for c in configs) and not gluon_in_scope:
             configs = [c for c in configs if not c.gluon] or configs
+        if call.varlen or call.descale is not None:  # one Q block per program: persistent runs its Triton twin
+            configs = [c for c in configs if not c.persistent] or configs
         return configs
 
     return tuning.launch_with_best(key, configs_in_scope, launch, reset)
