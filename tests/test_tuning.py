@@ -199,7 +199,11 @@ def test_shipped_table_reads_back_from_the_logs(tmp_path):
     shipped = json.loads((ROOT / "attnzoo" / "tuning_data" / "nvidia-h100-80gb-hbm3.json").read_text())
     sources = shipped["source"].split(", ")
     assert sources == [
-        "h100_bench_fp16.log", "h100_bench_bf16.log", "h100_varlen_tuning.log", "h100_fp8.log", "h100_short_fwd.log"
+        "h100_bench_fp16.log",
+        "h100_bench_bf16.log",
+        "h100_varlen_tuning.log",
+        "h100_fp8.log",
+        "h100_short_fwd.log",
     ]
     winners = tuning.write_shipped_table([ROOT / "bench" / "results" / s for s in sources], H100.name, tmp_path / "t")
     assert shipped["gpu"] == H100.name and shipped["winners"] == winners
