@@ -145,6 +145,16 @@ def test_bench_ab_times_every_impl_on_the_same_inputs_in_alternating_rounds(tmp_
     ]
 
 
+def test_bench_ab_times_a_backend_against_itself_with_a_pinned_config(tmp_path, capsys):
+    """``name:configs.<kernel>=<config>`` builds the backend with that config pinned, labelled as given."""
+    out = tmp_path / "ab.csv"
+    pinned = "triton_2kernel:configs.forward=64x64 w4 s3"
+    argv = ["--device", "cpu", "--mode", "fwd", "--d", "16", "--N", "64", "--rounds", "1", "--repeat", "1"]
+    assert ab.main(["triton_2kernel", pinned, *argv, "--warmup", "0", "--out", str(out)]) == 0
+    assert pinned in capsys.readouterr().out
+    assert [row.split(",")[2] for row in out.read_text().splitlines()[1:]] == ["triton_2kernel", pinned]
+
+
 def _parsers() -> list[argparse.ArgumentParser]:
     io_parser = io.build_parser()
     subparsers = [

@@ -73,14 +73,10 @@ def make_impl(spec: ImplSpec) -> impl_registry.Impl:
     (``attnzoo.get(name, **options)`` where the registry builds configured instances)."""
     if not spec.options:
         return impl_registry.get_impl(spec.name)
-    registered = attnzoo.get(spec.name)
     try:
-        backend = type(registered)(**spec.options)
+        return impl_registry.BackendImpl(spec.text)  # attnzoo.get(name, **options), under the spec's label
     except TypeError as exc:
         raise ValueError(f"impl {spec.text!r}: backend {spec.name!r} does not take these options ({exc})") from None
-    impl = impl_registry.BackendImpl(spec.text, spec.name)
-    impl._variant, impl.options = backend, spec.options  # the adapter's instance of this variant
-    return impl
 
 
 def build_parser() -> argparse.ArgumentParser:
