@@ -18,6 +18,7 @@ from attnzoo import oracle
 from attnzoo.kernels import tuning
 from attnzoo.kernels.backward_2kernel import attention_backward_2kernel
 from attnzoo.kernels.forward import attention_forward
+from attnzoo.kernels.gluon_hopper import gluon_unavailable_reason
 from attnzoo.kernels.launch import KernelVariant, PreparedCall, prepare
 from attnzoo.kernels.tuning import CANDIDATES
 from attnzoo.testing import AttentionInputs, oracle_for, random_inputs
@@ -158,6 +159,34 @@ def test_gluon_hopper_forward_against_oracle(cfg):
             )
             errors.append(f"{name} {check.error:.2e}/{check.bound:.2e}")
         _report(f"[gluon] {cfg} {str(dtype)[6:]} N={Nq}x{Nk} D={D} causal={causal} {layout}: {' '.join(errors)}")
+
+
+# (dtype, B, H, Hkv, Nq, Nk, causal): Q and K/V tails, one query row, GQA, Nq != Nk, a key-padded tail.
+HEAD_DIM_256_CASES = [
+    (torch.bfloat16, 2, 4, 2, 1000, 1000, False),
+    (torch.float16, 1, 4, 1, 777, 1500, True),
+    (torch.bfloat16, 2, 2, 2, 129, 77, False),
+    (torch.float16, 1, 2, 2, 1, 300, True),
+]
+
+
+@pytest.mark.parametrize("cfg", [c for c in CANDIDATES["forward"] if c.gluon], ids=str)
+def test_gluon_forward_at_head_dim_256(cfg):
+    """D = Dv = 256 through the launch layer with each Gluon config that the tuner keeps there (the others do not
+    fit the shared memory): the Gluon kernel runs (not its Triton twin), o and lse within SPEC.md's bound of the
+    float64 oracle, every element written."""
+    _needs_hopper()
+    for dtype, B, H, Hkv, Nq, Nk, causal in HEAD_DIM_256_CASES:
+        if cfg not in tuning.candidates("forward", 256, dtype, torch.device(CUDA), gluon_head_dims=(256, 256)):
+            pytest.skip(f"{cfg} does not fit the shared memory at D = 256 (the tuner drops it)")
+        x = random_inputs(B, H, Hkv, Nq, Nk, 256, dtype=dtype, device=CUDA, seed=Nq + Nk)
+        call = _prepared(x.q, x.k, x.v, 256**-0.5, causal, forced={"forward": cfg})
+        assert not call.gluon_reasons(KernelVariant.FORWARD), call.gluon_reasons(KernelVariant.FORWARD)
+        o, lse = attention_forward(call)
+        checks = oracle_for(AttentionInputs(x.q, x.k, x.v, None, None), causal, device=CUDA).check({"o": o, "lse": lse})
+        for name, check in checks.items():
+            assert check.ok, f"{cfg} {dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} causal={causal}: {name}: {check.message}"
+    assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

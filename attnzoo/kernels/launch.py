@@ -538,11 +538,12 @@ class GluonScope:
 _GLUON_SCOPES = {
     # The Gluon forward's modifiers and its two-part head dim (192 = 128 + 64, DeepSeek's MLA with Dv = 128) are
     # checked against the oracle by tests/test_gpu_score_modifiers.py::test_gluon_forward_applies_each_modifier_it_
-    # implements and ::test_gluon_forward_takes_a_head_dim_in_two_parts.
+    # implements and ::test_gluon_forward_takes_a_head_dim_in_two_parts; D = 256 by
+    # tests/test_gpu.py::test_gluon_forward_at_head_dim_256.
     KernelVariant.FORWARD: GluonScope(
         "forward_gluon.py",
         needs_positive_scale=True,
-        head_dims=((64, 64), (128, 128), (192, 128)),
+        head_dims=((64, 64), (128, 128), (192, 128), (256, 256)),
         window=True,
         softcap=True,
         alibi=True,
