@@ -36,7 +36,7 @@ N <= 2k a block has 1-16 K/V tiles, and the prologue and epilogue of a block per
 
 Scope (``KernelVariant.FORWARD.gluon_scope`` in ``launch.py`` says why a call runs ``forward.py``'s kernel
 instead): an sm_90 GPU, float16/bfloat16 (or FP8 inputs, DESCALE: ``attnzoo.attention_fp8`` at D = Dv = 64 or 128,
-dense and not persistent), the (D, Dv) pairs the scope lists (64/64, 128/128, 192/128), no
+dense and not persistent), the (D, Dv) pairs the scope lists (64/64, 128/128, 192/128, 256/256), no
 ``seqlens_k`` (TMA zero-fills past Nk only: V rows past ``seqlens_k[b]`` may hold NaN, and ``0 * NaN`` would reach
 ``P V``), a positive scale, and q/k/v that a TMA descriptor can address.  A head dim that is the sum of two powers of
 two (192 = 128 + 64: Gluon tiles have power-of-two shapes) comes as two column parts of Q and K, and ``S = Q K^T`` as
