@@ -4,9 +4,9 @@ every candidate config of every kernel on a windowed, soft-capped ALiBi call; th
 
 Shapes are small enough for the CPU float64 oracle, which judges by SPEC.md's rule (as ``test_gpu.py``'s small
 checks do).  The Gluon forward applies windows, the soft cap and ALiBi, and takes a head dim in two column parts
-(D = 192 with Dv = 128): tests below call it directly.  The Gluon dK/dV kernel has no score modifiers: its ``gluon``
-configs run the Triton kernel with the same tiles on these calls (``GluonScope.modifier_reasons``), which the
-candidate test checks too.
+(D = 192 with Dv = 128): tests below call it directly.  The Gluon dK/dV kernel applies sliding windows (checked
+below with each of its configs pinned); with the soft cap or ALiBi its ``gluon`` configs run the Triton kernel with
+the same tiles (``GluonScope.modifier_reasons``), which the candidate test checks too.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from triton.runtime.errors import OutOfResources
 import attnzoo
 from attnzoo import debug, oracle
 from attnzoo.kernels.forward_gluon import attention_forward_hopper
-from attnzoo.kernels.launch import prepare
+from attnzoo.kernels.gluon_hopper import gluon_unavailable_reason
+from attnzoo.kernels.launch import KernelVariant, prepare
 from attnzoo.kernels.tuning import CANDIDATES, candidates, head_dim_tile
 from attnzoo.testing import AttentionInputs, oracle_for
 from attnzoo.validation import validate_forward
@@ -98,6 +99,35 @@ def test_score_modifiers_match_the_oracle(name, case, dtype):
     if case == "empty-band":
         o, lse, dq, dk, dv = outputs
         assert not o.any() and torch.isneginf(lse).all() and not dq.any() and not dk.any() and not dv.any()
+
+
+# (B, H, Hkv, Nq, Nk, D, causal, window): the left edge alone (causal), both edges, a right edge left of the
+# diagonal (rows that see no key), Nq != Nk both ways, tails, GQA.
+GLUON_DKDV_WINDOWS = [
+    (2, 4, 2, 300, 300, 128, True, (64, 0)),
+    (1, 4, 1, 200, 333, 64, False, (40, 25)),
+    (2, 2, 2, 257, 190, 128, False, (None, -70)),
+    (1, 2, 1, 333, 200, 64, True, (150, 0)),
+    (1, 4, 4, 129, 129, 128, False, (100, None)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cfg", [c for c in CANDIDATES["dkdv"] if c.gluon], ids=str)
+def test_gluon_dkdv_applies_sliding_windows(cfg, dtype):
+    """The Gluon dK/dV kernel, pinned, on windowed calls (the launch layer sends them to it, not to its Triton twin):
+    all five outputs within SPEC.md's bound of the float64 oracle, every element written."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels need an sm_90 GPU")
+    backend = attnzoo.get("triton_2kernel", configs={"dkdv": cfg})
+    for B, H, Hkv, Nq, Nk, D, causal, window in GLUON_DKDV_WINDOWS:
+        q, k, v, do, _, _ = _make(B, H, Hkv, Nq, Nk, D, D, dtype, seed=Nq + Nk)
+        call = prepare(q, k, v, validate_forward(q, k, v, causal=causal, window=window))
+        reasons = call.gluon_reasons(KernelVariant.DKDV, do)
+        assert not reasons, reasons
+        kw = dict(causal=causal, window=window)
+        _check(_run(backend, q, k, v, do, **kw), q, k, v, do, **kw)
+    assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
 
 @pytest.mark.parametrize("shard", range(SHARDS))

@@ -155,8 +155,9 @@ def test_gluon_forward_on_packed_batches(forward, dtype, case):
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
 
-# Every case in the Gluon dK/dV kernel's scope (D = 64 or 128, no modifiers): key blocks cut by a sequence's end at
-# 1, 63-65 and 127-129 keys, Q tiles cut likewise, empty sequences, Nq != Nk, GQA, a heads-major layout.
+# Every case in the Gluon dK/dV kernel's scope (D = 64 or 128, sliding windows only): key blocks cut by a sequence's
+# end at 1, 63-65 and 127-129 keys, Q tiles cut likewise, empty sequences, Nq != Nk, GQA, a heads-major layout, a
+# causal window.
 GLUON_DKDV_CASES = {
     "causal-d128": GLUON_CASES["causal"],
     "full-d64-gqa": VarlenCase(
@@ -165,6 +166,9 @@ GLUON_DKDV_CASES = {
     ),
     "causal-d64": VarlenCase(
         (300, 65, 127), (330, 64, 129), 4, 4, 64, 64, True, None, 0.0, "none", F16, "contiguous", None, 7
+    ),
+    "window-d128": VarlenCase(
+        (65, 1, 200, 129), (70, 1, 190, 129), 4, 2, 128, 128, True, (60, 0), 0.0, "none", F16, "contiguous", None, 8
     ),
 }  # fmt: skip
 
@@ -180,7 +184,7 @@ def test_gluon_dkdv_on_packed_batches(dkdv, dtype, case):
     case = dataclasses.replace(GLUON_DKDV_CASES[case], dtype=dtype)
     if dkdv not in candidates("dkdv", head_dim_tile(case.head_dim), dtype, torch.device("cuda")):
         pytest.skip(f"{dkdv} does not fit the shared memory at D={case.head_dim} (the tuner drops it)")
-    reasons = _gluon_reasons(case.make(), KernelVariant.DKDV, case.causal)
+    reasons = _gluon_reasons(case.make(), KernelVariant.DKDV, case.causal, **case.modifiers)
     assert not reasons, reasons
     _check(attnzoo.get("triton_2kernel", configs={"dkdv": dkdv}), case)
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()

@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     _measure(rows, table, "flex_attention", base, _flex_times, flex, q, k, v, do, full, mod)
             del q, k, v, do
             torch.cuda.empty_cache()
-        for d, dv in ((128, 128), (192, 128)):
+        for d, dv in ((128, 128), (192, 128)) if args.head_dim_N > 0 else ():
             n = args.head_dim_N
             batch, heads = max(1, args.tokens // n), 16
             q, k, v, do = _inputs(batch, heads, n, d, dv, dtype, seed=d)
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--N", default="4096,8192,16384,32768")
     p.add_argument("--windows", default="256,1024,4096")
     p.add_argument("--modifier-N", default="4096,8192", help="N of the softcap/ALiBi tables")
-    p.add_argument("--head-dim-N", type=int, default=8192, help="N of the D=192/Dv=128 table")
+    p.add_argument("--head-dim-N", type=int, default=8192, help="N of the D=192/Dv=128 table (0: no such table)")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--out", default="bench/results/h100_modifiers.csv")

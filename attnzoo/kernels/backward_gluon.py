@@ -25,12 +25,12 @@ dQ kernel, which runs first.
 
 Padding needs no predicate: TMA reads zeros for Q and dO rows past Nq, so those rows contribute nothing (and their
 lse2 loads as +inf), and K/V rows past Nk give gradient rows that the TMA store drops.  Only the tiles on the causal
-diagonal apply a mask.  On the H100 the whole backward ran 1.02-1.07x faster than with the best Triton dK/dV tile at
-D=128 and 0.84-0.96x at D=64 (fp16; the autotuner chooses; docs/design.md).
+diagonal and the window's edges apply a mask.  On the H100 the whole backward ran 1.02-1.07x faster than with the
+best Triton dK/dV tile at D=128 and 0.84-0.96x at D=64 (fp16; the autotuner chooses; docs/design.md).
 
-Scope (``KernelVariant.DKDV.gluon_scope`` in ``launch.py``): D = 64 or 128, no score modifiers (windows, the soft
-cap and ALiBi run the Triton kernel), dO addressable by TMA.  ``seqlens_k`` is out of it: K/V rows past
-``seqlens_k[b]`` may hold NaN, which ``dP^T`` would carry into dK rows that must be 0.
+Scope (``KernelVariant.DKDV.gluon_scope`` in ``launch.py``): D = 64 or 128, sliding windows but no other score
+modifier (the soft cap and ALiBi run the Triton kernel), dO addressable by TMA.  ``seqlens_k`` is out of it: K/V
+rows past ``seqlens_k[b]`` may hold NaN, which ``dP^T`` would carry into dK rows that must be 0.
 
 Packed batches (VARLEN, ``attention_varlen``) run on ``[1, H, total, D]`` views, one K/V block of one sequence per
 program.  A Q/dO box of a sequence's last Q tile reaches into the next sequence's rows: those rows are zeroed in
@@ -89,9 +89,29 @@ if gluon is not None:
         tma_load(q_desc, [batch, first_head + g, start_m, 0], bar, q_ring.index(slot), pred=pred)
         tma_load(do_desc, [batch, first_head + g, start_m, 0], bar, do_ring.index(slot), pred=pred)
 
+    @gluon.jit
+    def _visible_t(keys, rows, diagonal_offset, window_left, window_right,
+                   CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr):  # fmt: skip
+        """Whether key ``keys[n]`` is visible to row ``rows[m]``, as a ``[BLOCK_N, BLOCK_M]`` tile: the transposed
+        ``common.key_visible`` without its ``Nk`` test (a key past Nk has a dK/dV row that the store drops).  At
+        least one flag is set."""
+        positions = rows[None, :] + diagonal_offset  # each row's position among the keys
+        if CAUSAL:
+            visible = keys[:, None] <= positions
+            if WINDOW_RIGHT:
+                visible = visible & (keys[:, None] <= positions + window_right)
+        elif WINDOW_RIGHT:
+            visible = keys[:, None] <= positions + window_right
+        if WINDOW_LEFT:
+            if CAUSAL or WINDOW_RIGHT:
+                visible = visible & (keys[:, None] >= positions - window_left)
+            else:
+                visible = keys[:, None] >= positions - window_left
+        return visible
+
     @gluon.jit(do_not_specialize=[
         "num_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "num_n_blocks", "num_sequences",
-        "search_steps",
+        "search_steps", "window_left", "window_right",
     ])  # fmt: skip
     def attention_dkdv_hopper_kernel(
         q_desc,
@@ -110,6 +130,8 @@ if gluon is not None:
         num_n_blocks,
         sm_scale,
         qk_scale,
+        window_left,
+        window_right,
         dk_ptr,
         dv_ptr,
         stride_dkv_row,
@@ -124,6 +146,8 @@ if gluon is not None:
         NUM_STAGES: gl.constexpr,
         IS_FP16: gl.constexpr,
         VARLEN: gl.constexpr,
+        WINDOW_LEFT: gl.constexpr,
+        WINDOW_RIGHT: gl.constexpr,
     ):
         """dK, dV of one block of BLOCK_N keys of one (batch, kv head); grid: 1-d, num_n_blocks * B * Hkv programs
         (as ``backward_2kernel.dkdv_kernel``), summed over the ``group_size`` query heads that read the kv head.
@@ -135,6 +159,10 @@ if gluon is not None:
         head (``common.kv_block_opening``; idle slots return at once), lse2/Delta are ``[H, total_q]``, and
         ``dk_ptr``/``dv_ptr`` with ``stride_dkv_row`` address the packed dK/dV for the rows a TMA store may not
         write.  Dense calls do not read these arguments.
+
+        WINDOW_LEFT/WINDOW_RIGHT: the sliding window's bounds (``ScoreModifiers``: ``window_left``/``window_right``,
+        read only under their flags); the loop runs over the Q tiles that see some key of the block, and the tiles
+        that the window's edges or the causal diagonal cut take the mask (``_visible_t``).
         """
         NUM_WARPS: gl.constexpr = gl.num_warps()
         gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "one warpgroup per 64 keys: BLOCK_N must be 16 * num_warps")
@@ -172,14 +200,16 @@ if gluon is not None:
             stats_base = 0
         first_head = kv_head * group_size
 
-        # Q tiles [lo, unmasked_lo) cross the causal diagonal and need the mask; rows before lo see none of the
-        # block's keys.  The same range for every head of the group.  Keys past Nk need no mask here (their dK/dV
-        # rows are dropped by the store, and a row of dK or dV depends on its own key only), so the bounds are those
-        # of a whole block: its end is passed as the key count.
-        # No window here (the scope sends windowed calls to backward_2kernel.py): no third stage.
-        lo, unmasked_lo, _unmasked_hi, hi = q_loop_bounds(
-            start_n, seq_q, seq_k, start_n + BLOCK_N, 0, 0, CAUSAL, False, False, BLOCK_M, BLOCK_N
-        )
+        # Q tiles [lo, unmasked_lo) cross the causal diagonal (or the window's right edge) and [unmasked_hi, hi)
+        # its left edge: they need the mask; rows outside [lo, hi) see none of the block's keys.  The same range
+        # for every head of the group.  Keys past Nk need no mask here (their dK/dV rows are dropped by the store,
+        # and a row of dK or dV depends on its own key only), so the bounds are those of a whole block: its end is
+        # passed as the key count.
+        MASKED: gl.constexpr = CAUSAL or WINDOW_LEFT or WINDOW_RIGHT
+        lo, unmasked_lo, unmasked_hi, hi = q_loop_bounds(
+            start_n, seq_q, seq_k, start_n + BLOCK_N, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
+            BLOCK_M, BLOCK_N,
+        )  # fmt: skip
         tiles_per_head = (hi - lo) // BLOCK_M
         n_iters = tiles_per_head * group_size
         diagonal_offset = seq_k - seq_q
@@ -240,9 +270,16 @@ if gluon is not None:
             s_t = warpgroup_mma_wait(1, deps=(s_t,))
             delta = gl.load(delta_ptr + stats, mask=rows < seq_q, other=0.0)
             p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
-            if CAUSAL:  # noqa: SIM102 - a compile-time test: without CAUSAL no mask code is emitted at all
-                if start_m < unmasked_lo:
-                    p_t = gl.where(keys[:, None] <= rows[None, :] + diagonal_offset, p_t, 0.0)
+            if WINDOW_LEFT:  # the third stage: tiles that the window's left edge cuts
+                cut = (start_m < unmasked_lo) | (start_m >= unmasked_hi)
+            else:
+                cut = start_m < unmasked_lo
+            if MASKED:  # noqa: SIM102 - a compile-time test: without a mask no mask code is emitted at all
+                if cut:
+                    visible = _visible_t(
+                        keys, rows, diagonal_offset, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT
+                    )  # fmt: skip
+                    p_t = gl.where(visible, p_t, 0.0)
             p_op = gl.convert_layout(p_t.to(DTYPE), operand_layout)
             dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
             dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
@@ -333,8 +370,9 @@ def attention_dkdv_hopper(
     attention_dkdv_hopper_kernel[(num_n_blocks * B * Hkv,)](
         tile_descriptor(q, block_m), tile_descriptor(k, block_n), tile_descriptor(v, block_n),
         tile_descriptor(do, block_m), tile_descriptor(dk, block_n), tile_descriptor(dv, block_n), lse2, delta,
-        H, Hkv, H // Hkv, Nq, Nk, num_n_blocks, scale, scale * LOG2E, dk_rows, dv_rows, dk_rows.stride(0),
-        *sequences,
+        H, Hkv, H // Hkv, Nq, Nk, num_n_blocks, scale, scale * LOG2E, *modifiers.args[1:3], dk_rows, dv_rows,
+        dk_rows.stride(0), *sequences,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=D, CAUSAL=causal, NUM_STAGES=num_stages,
-        IS_FP16=q.dtype == torch.float16, VARLEN=varlen is not None, num_warps=num_warps,
+        IS_FP16=q.dtype == torch.float16, VARLEN=varlen is not None, WINDOW_LEFT=modifiers.flags["WINDOW_LEFT"],
+        WINDOW_RIGHT=modifiers.flags["WINDOW_RIGHT"], num_warps=num_warps,
     )  # fmt: skip

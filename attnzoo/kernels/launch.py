@@ -551,8 +551,9 @@ _GLUON_SCOPES = {
         # tests/test_fp8.py::test_gluon_fp8_forward_on_the_gpu
         fp8_head_dims=((64, 64), (128, 128)),
     ),
+    # Its windows: tests/test_gpu_score_modifiers.py::test_gluon_dkdv_applies_sliding_windows.
     KernelVariant.DKDV: GluonScope(
-        "backward_gluon.py", needs_positive_scale=False, extra_tma_operands=("do",), varlen=True
+        "backward_gluon.py", needs_positive_scale=False, extra_tma_operands=("do",), window=True, varlen=True
     ),
 }
 
