@@ -250,10 +250,10 @@ def test_the_gluon_scopes_name_the_modifiers_their_kernels_lack(variant, modifie
 
 @pytest.mark.parametrize("variant", [KernelVariant.FORWARD, KernelVariant.DKDV])
 def test_the_gluon_scopes_take_the_head_dims_their_kernels_were_checked_with(variant):
-    """D = Dv = 64 and 128 run both Gluon kernels, and D = 192 with Dv = 128 the forward's (in two column parts);
-    other pairs do not, and the reason names them."""
+    """D = Dv = 64 and 128 run both Gluon kernels, and D = 192 with Dv = 128 (in two column parts) and D = Dv = 256
+    the forward's; other pairs do not, and the reason names them."""
     scope = variant.gluon_scope
-    in_scope = [(64, 64), (128, 128)] + ([(192, 128)] if variant is KernelVariant.FORWARD else [])
+    in_scope = [(64, 64), (128, 128)] + ([(192, 128), (256, 256)] if variant is KernelVariant.FORWARD else [])
     for dims in in_scope:
         assert scope.head_dim_reasons(*dims) == [], dims
     for dims in {(64, 32), (256, 256), (192, 192), (192, 128)} - set(in_scope):
