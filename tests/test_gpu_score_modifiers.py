@@ -102,13 +102,14 @@ def test_score_modifiers_match_the_oracle(name, case, dtype):
 
 
 # (B, H, Hkv, Nq, Nk, D, causal, window): the left edge alone (causal), both edges, a right edge left of the
-# diagonal (rows that see no key), Nq != Nk both ways, tails, GQA.
+# diagonal (rows that see no key; with causal too), Nq != Nk both ways, tails, GQA.
 GLUON_DKDV_WINDOWS = [
     (2, 4, 2, 300, 300, 128, True, (64, 0)),
     (1, 4, 1, 200, 333, 64, False, (40, 25)),
     (2, 2, 2, 257, 190, 128, False, (None, -70)),
     (1, 2, 1, 333, 200, 64, True, (150, 0)),
     (1, 4, 4, 129, 129, 128, False, (100, None)),
+    (1, 2, 2, 190, 230, 64, True, (50, -20)),  # causal with a right edge left of the diagonal: both right bounds
 ]
 
 

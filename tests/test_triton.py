@@ -258,6 +258,11 @@ def test_the_gluon_scopes_take_the_head_dims_their_kernels_were_checked_with(var
         assert scope.head_dim_reasons(*dims) == [], dims
     for dims in {(64, 32), (256, 256), (192, 192), (192, 128)} - set(in_scope):
         assert any(f"D={dims[0]} Dv={dims[1]}" in r for r in scope.head_dim_reasons(*dims))
+    # D = 256 was checked on dense calls without score modifiers: with one, or packed, the Triton kernel runs.
+    for dims in in_scope:
+        assert scope.plain_head_dim_reasons(*dims, modified=False) == []
+        named = any(f"D={dims[0]} Dv={dims[1]}" in r for r in scope.plain_head_dim_reasons(*dims, modified=True))
+        assert named == (dims == (256, 256)), dims
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES)

@@ -68,9 +68,9 @@ def parse_spec(text: str) -> ImplSpec:
 
 
 def make_impl(spec: ImplSpec) -> impl_registry.Impl:
-    """The bench adapter of ``spec``.  The one place that turns options into a backend instance: the backend's
-    class built with them (``TritonAtomic(delta="recompute")``); pinned ``configs`` need a backend that takes them
-    (``attnzoo.get(name, **options)`` where the registry builds configured instances)."""
+    """The bench adapter of ``spec``: with options, a ``BackendImpl`` that builds ``attnzoo.get(name, **options)``
+    (``delta=recompute``, pinned ``configs``); an option the backend does not take is a ``ValueError`` here, before
+    any timing."""
     if not spec.options:
         return impl_registry.get_impl(spec.name)
     try:

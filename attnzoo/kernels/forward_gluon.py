@@ -41,7 +41,9 @@ dense and not persistent), the (D, Dv) pairs the scope lists (64/64, 128/128, 19
 ``P V``), a positive scale, and q/k/v that a TMA descriptor can address.  A head dim that is the sum of two powers of
 two (192 = 128 + 64: Gluon tiles have power-of-two shapes) comes as two column parts of Q and K, and ``S = Q K^T`` as
 two chained products; Dv is a power of two (DeepSeek's 192/128).  ``tests/test_gpu_score_modifiers.py`` checks the
-kernel with such pairs on the GPU; the scope lists a pair once that test has passed for it.
+kernel with such pairs on the GPU; the scope lists a pair once that test has passed for it.  D = Dv = 256 (one
+warpgroup's 64x64 tiles) is checked by ``tests/test_gpu.py`` on dense calls without modifiers, and the scope keeps
+it to those (``GluonScope.plain_head_dims``).
 Causal masks, windows (the loop starts at the window's first tile: blocks outside the band are never loaded), the
 soft cap, ALiBi, any Nq and Nk, and grouped-query heads are handled.  Packed batches (``attention_varlen``) run with
 VARLEN, one Q block per program (not persistent): a sequence's TMA boxes reach into the next sequence's rows, so the
@@ -811,7 +813,8 @@ def attention_forward_hopper(
     varlen: tuple | None = None,
     descale: torch.Tensor | None = None,
 ) -> None:
-    """Write ``o`` ``[B, H, Nq, Dv]`` (contiguous, dtype of q) and ``lse`` ``[B, H, Nq]`` float32 of one call.
+    """Write ``o`` ``[B, H, Nq, Dv]`` (contiguous, dtype of q; bfloat16 for FP8 inputs) and ``lse`` ``[B, H, Nq]``
+    float32 of one call.
 
     ``q`` ``[B, H, Nq, D]``, ``k`` ``[B, Hkv, Nk, D]``, ``v`` ``[B, Hkv, Nk, Dv]`` (D: a power of two or the sum of
     two, ``head_dim_parts``; Dv: a power of two), in the scope that

@@ -458,10 +458,11 @@ class GluonScope:
     """Where a variant's Gluon Hopper kernel runs, declared once (as a backend's ``Capabilities``); elsewhere its
     ``gluon`` configs run the Triton kernel with the same tiles, and the tuner does not time them twice.
 
-    Common to every Gluon kernel: an sm_90 NVIDIA GPU (not the interpreter, not ROCm), float16/bfloat16, the head
-    dims of ``head_dims``, no ``seqlens_k`` (TMA zero-fills past Nk only: K/V rows past ``seqlens_k[b]``
-    arrive as they are, and a NaN there makes P V or dP NaN even where P = 0), no debug build (no tile counters), and
-    q, k, v (and ``extra_tma_operands``) addressable by TMA.
+    Common to every Gluon kernel: an sm_90 NVIDIA GPU (not the interpreter, not ROCm), float16/bfloat16 with the head
+    dims of ``head_dims`` (or FP8 inputs with those of ``fp8_head_dims``), no ``seqlens_k`` (TMA zero-fills past Nk
+    only: K/V rows past ``seqlens_k[b]`` arrive as they are, and a NaN there makes P V or dP NaN even where P = 0), no
+    debug build (no tile counters), and q, k, v (and ``extra_tma_operands``) addressable by TMA (FP8's v through its
+    keys-contiguous view).
     """
 
     kernel_file: str
@@ -476,6 +477,9 @@ class GluonScope:
     varlen: bool = False  # packed batches (``attention_varlen``)
     # FP8 inputs (``attention_fp8``): the (D, Dv) pairs the kernel takes them with (none: it takes no FP8).
     fp8_head_dims: tuple[tuple[int, int], ...] = ()
+    # Pairs of ``head_dims`` checked on the GPU with dense calls without score modifiers only: a call with a
+    # modifier or a packed batch runs the Triton kernel there.
+    plain_head_dims: tuple[tuple[int, int], ...] = ()
 
     def modifier_reasons(self, modifiers: ScoreModifiers) -> list[str]:
         """The score modifiers of a call that the kernel does not apply."""
@@ -494,6 +498,13 @@ class GluonScope:
             return []
         pairs = ", ".join(f"D={d} Dv={dv}" for d, dv in self.head_dims)
         return [f"head dims D={head_dim} Dv={head_dim_v}: {pairs} only"]
+
+    def plain_head_dim_reasons(self, head_dim: int, head_dim_v: int, modified: bool) -> list[str]:
+        """Why a call with score modifiers or a packed batch (``modified``) does not run the kernel at these head
+        dims ([] when it does)."""
+        if modified and (head_dim, head_dim_v) in self.plain_head_dims:
+            return [f"D={head_dim} Dv={head_dim_v}: checked on dense calls without score modifiers only"]
+        return []
 
     def not_supported_reasons(self, call: PreparedCall, extra: tuple[torch.Tensor, ...] = ()) -> list[str]:
         q = call.q
@@ -518,6 +529,7 @@ class GluonScope:
             if q.dtype not in HOPPER_DTYPES:
                 reasons.append(f"dtype {q.dtype}: float16 and bfloat16 only")
             reasons.extend(self.head_dim_reasons(*head_dims))
+        reasons.extend(self.plain_head_dim_reasons(*head_dims, call.varlen or bool(call.modifiers.key)))
         if call.has_seqlens:
             reasons.append("seqlens_k: the K/V rows past seqlens_k[b] may hold anything, and TMA cannot zero them")
         if call.varlen and not self.varlen:
@@ -550,6 +562,7 @@ _GLUON_SCOPES = {
         varlen=True,
         # tests/test_fp8.py::test_gluon_fp8_forward_on_the_gpu
         fp8_head_dims=((64, 64), (128, 128)),
+        plain_head_dims=((256, 256),),
     ),
     # Its windows: tests/test_gpu_score_modifiers.py::test_gluon_dkdv_applies_sliding_windows.
     KernelVariant.DKDV: GluonScope(
@@ -592,6 +605,9 @@ def run(
         # The Gluon kernels' tiles hold the exact head dims (192 as 128 + 64), the Triton kernels' the tile BLOCK_D:
         # where Gluon runs a head dim below its tile, the key says which, so that no other head dim takes its winner.
         f"D={call.problem.head_dim}" if gluon_in_scope and call.problem.head_dim != call.block_d else "",
+        # FP8 calls of one key split between the kernels (the Gluon one needs Nk a multiple of 16, for TMA rows of
+        # v's keys-contiguous view): those on the Triton kernel keep their winner apart.
+        "triton" if call.descale is not None and not gluon_in_scope else "",
         q.device.index,
     )
 

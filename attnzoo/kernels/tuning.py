@@ -238,7 +238,9 @@ def candidates(
         if cfg.gluon and gluon_head_dims is not None:
             d, dv = gluon_head_dims
             tiles = shared_memory_estimate(kernel, cfg, d, itemsize, dv)
-            if kernel == "forward" and dv != head_dim_parts(d)[0]:  # O leaves through rows of its own
+            if kernel == "forward" and itemsize == 1:  # FP8: a bfloat16 O and two e4m3 P slots per warpgroup
+                tiles += 2 * cfg.block_m * dv + 2 * cfg.block_m * cfg.block_n
+            elif kernel == "forward" and dv != head_dim_parts(d)[0]:  # O leaves through rows of its own
                 tiles += itemsize * cfg.block_m * dv
             return tiles
         return shared_memory_estimate(kernel, cfg, block_d, itemsize, block_dv)
