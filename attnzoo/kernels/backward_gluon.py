@@ -270,11 +270,11 @@ if gluon is not None:
             s_t = warpgroup_mma_wait(1, deps=(s_t,))
             delta = gl.load(delta_ptr + stats, mask=rows < seq_q, other=0.0)
             p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
-            if WINDOW_LEFT:  # the third stage: tiles that the window's left edge cuts
-                cut = (start_m < unmasked_lo) | (start_m >= unmasked_hi)
-            else:
-                cut = start_m < unmasked_lo
-            if MASKED:  # noqa: SIM102 - a compile-time test: without a mask no mask code is emitted at all
+            if MASKED:  # a compile-time test: without a mask no mask code is emitted at all
+                if WINDOW_LEFT:  # the third stage: tiles that the window's left edge cuts
+                    cut = (start_m < unmasked_lo) | (start_m >= unmasked_hi)
+                else:
+                    cut = start_m < unmasked_lo
                 if cut:
                     visible = _visible_t(
                         keys, rows, diagonal_offset, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT

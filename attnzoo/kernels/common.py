@@ -165,6 +165,15 @@ def key_visible(
 
 
 @triton.jit
+def fp8_factors(descale_ptr, batch, kv_head, num_kv_heads):
+    """FP8 inputs' factors of one (batch, kv head) from the float32 ``[B, Hkv, 3]`` table (``attnzoo.fp8``) ->
+    ``(q_factor, k_factor, v_factor)``: the stored scores times the q and k factors are the real ones, and ``P V`` of
+    the stored v times the v factor is the real one."""
+    factors = descale_ptr + (batch * num_kv_heads + kv_head) * 3
+    return tl.load(factors), tl.load(factors + 1), tl.load(factors + 2)
+
+
+@triton.jit
 def batch_seqlen_k(seqlens_ptr, batch, seqlen_k, HAS_SEQLENS: tl.constexpr):
     """Number of keys batch ``batch`` may see (``seqlens_k[batch]``, or ``Nk`` without seqlens_k)."""
     if HAS_SEQLENS:

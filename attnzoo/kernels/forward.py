@@ -19,6 +19,7 @@ from triton.compiler.errors import CompilationError
 from .common import (
     LOG2E,
     alibi_slope2,
+    fp8_factors,
     head_rows,
     key_visible,
     kv_loop_bounds,
@@ -147,10 +148,8 @@ def attention_forward_kernel(
             return
     if DESCALE:
         tl.static_assert(not (VARLEN or FOLD_SCALE), "FP8 runs dense calls, with the scale applied to the scores")
-        descale = descale_ptr + (batch * (num_heads // group_size) + kv_head) * 3
-        # Scores of the stored values times q's and k's factors are the real scores: one scale for the tile.
-        qk_scale = qk_scale * tl.load(descale) * tl.load(descale + 1)
-        v_descale = tl.load(descale + 2)
+        q_factor, k_factor, v_descale = fp8_factors(descale_ptr, batch, kv_head, num_heads // group_size)
+        qk_scale = qk_scale * q_factor * k_factor  # one scale for the tile
     local_m = tl.arange(0, BLOCK_M)
     rows = start_m + local_m
     cols = tl.arange(0, BLOCK_D)

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .common import LOG2E, kv_loop_bounds, q_block_opening, q_block_program
+from .common import LOG2E, fp8_factors, kv_loop_bounds, q_block_opening, q_block_program
 from .gluon_hopper import (
     accumulator_layout,
     cta_barrier,
@@ -654,10 +654,8 @@ if gluon is not None:
         coord_batch, row_origin, key_origin = packed[0], packed[1], packed[2]
         if DESCALE:
             gl.static_assert(not (VARLEN or PERSISTENT or BLOCK_D2 > 0), "FP8: dense calls, one column part")
-            factors = descale_ptr + (batch * (num_heads // group_size) + kv_head) * 3
-            # The scores of the stored values times the q and k factors are the real scores.
-            qk_scale = qk_scale * gl.load(factors) * gl.load(factors + 1)
-            o_factor = gl.load(factors + 2)
+            q_factor, k_factor, o_factor = fp8_factors(descale_ptr, batch, kv_head, num_heads // group_size)
+            qk_scale = qk_scale * q_factor * k_factor
         else:
             o_factor = 1.0
 
