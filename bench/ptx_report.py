@@ -38,7 +38,7 @@ KERNELS = {"forward": attention_forward_kernel, "dkdv": dkdv_kernel, "dq": dq_ke
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32", "fp8": "fp8e4nv"}
 FLOAT32_POINTERS = ("lse_ptr", "lse2_ptr", "delta_ptr", "dk_acc_ptr", "dv_acc_ptr", "alibi_ptr", "descale_ptr")
-INT32_POINTERS = ("seqlens_ptr", "counts_ptr", "cu_seqlens_q", "cu_seqlens_k")
+INT32_POINTERS = ("seqlens_ptr", "counts_ptr", "cu_seqlens_q", "cu_seqlens_k", "dq_locks_ptr")
 SCALARS = ("sm_scale", "qk_scale", "cap_in", "cap_out")
 
 
@@ -140,7 +140,7 @@ def gluon_source(
                  CAUSAL=causal, NUM_STAGES=cfg.num_stages, IS_FP16=dtype == "fp16", NUM_WARPGROUPS=cfg.block_m // 64,
                  WINDOW_LEFT="window" in modifiers, WINDOW_RIGHT=False, SOFTCAP="softcap" in modifiers,
                  ALIBI="alibi" in modifiers, PERSISTENT=cfg.persistent, VARLEN="varlen" in modifiers,
-                 DESCALE=fp8)  # fmt: skip
+                 DESCALE=fp8, DQ_ATOMIC="dq_atomic" in modifiers, DQ_ORDERED="dq_ordered" in modifiers)  # fmt: skip
     signature, constexprs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in flags:

@@ -17,10 +17,11 @@ import attnzoo
 from attnzoo import oracle
 from attnzoo.kernels import tuning
 from attnzoo.kernels.backward_2kernel import attention_backward_2kernel
+from attnzoo.kernels.backward_atomic import attention_backward_atomic
 from attnzoo.kernels.forward import attention_forward
 from attnzoo.kernels.gluon_hopper import gluon_unavailable_reason
 from attnzoo.kernels.launch import KernelVariant, PreparedCall, prepare
-from attnzoo.kernels.tuning import CANDIDATES
+from attnzoo.kernels.tuning import CANDIDATES, KernelConfig
 from attnzoo.testing import AttentionInputs, oracle_for, random_inputs
 from attnzoo.validation import validate_forward
 
@@ -235,6 +236,54 @@ def test_gluon_hopper_dkdv_against_oracle(cfg):
         _report(f"[gluon dkdv] {cfg} {str(dtype)[6:]} N={Nq}x{Nk} D={D} causal={causal} {layout}: {' '.join(errors)}")
 
 
+@pytest.mark.parametrize("ordered", [False, True], ids=["atomic-dq", "ordered-dq"])
+@pytest.mark.parametrize("cfg", [c for c in CANDIDATES["atomic"] if c.gluon], ids=str)
+def test_five_product_backward_matches_the_oracle(cfg, ordered):
+    """The five-product backward (``triton_atomic``'s Hopper path: the Gluon dK/dV kernel adding dQ atomically),
+    each config pinned, on the HOPPER_CASES: dq, dk and dv within SPEC.md's bound of the float64 oracle; its dQ shares
+    added in any order or in the fixed one.  Outputs are NaN-filled first (conftest), so an unwritten row fails."""
+    _needs_hopper()
+    variant = KernelVariant.ATOMIC_ORDERED if ordered else KernelVariant.ATOMIC_PREPROCESS
+    for dtype, B, H, Hkv, Nq, Nk, D, causal, layout in HOPPER_CASES:
+        q, k, v, do = _hopper_case_inputs(dtype, B, H, Hkv, Nq, Nk, D, layout)
+        call = _prepared(q, k, v, D**-0.5, causal, forced={"forward": CANDIDATES["forward"][0], "atomic": cfg})
+        assert not call.gluon_reasons(variant, do), call.gluon_reasons(variant, do)
+        o, lse = attention_forward(call)
+        dq, dk, dv = attention_backward_atomic(call, do, o, lse, "preprocess", ordered=ordered)
+        judge = oracle_for(AttentionInputs(q, k, v, do, None), causal, device=CUDA)
+        checks = judge.check({"dq": dq, "dk": dk, "dv": dv}, stored_o=o)
+        errors = []
+        for name, check in checks.items():
+            assert check.ok, (
+                f"{cfg} {dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D={D} causal={causal}: {name}: {check.message}"
+            )
+            errors.append(f"{name} {check.error:.2e}/{check.bound:.2e}")
+        _report(
+            f"[five-product ordered={ordered}] {cfg} {str(dtype)[6:]} N={Nq}x{Nk} D={D} causal={causal} {layout}: "
+            + " ".join(errors)
+        )
+    assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_deterministic_atomic_backward_is_bitwise_reproducible(dtype):
+    """``triton_atomic(deterministic=True)`` on Hopper: the dQ shares in a fixed order, so repeated backwards are
+    bitwise equal (causal, grouped-query heads, a Q tail; long enough that many K/V blocks add into each dQ tile)."""
+    _needs_hopper()
+    q, k, v, do, _ = _make(2, 8, 2, 4000, 4000, 128, dtype, None, seed=3)
+    be = attnzoo.get("triton_atomic", deterministic=True)
+    o, lse = be.forward(q, k, v, causal=True)
+    first = be.backward(do, q, k, v, o, lse, causal=True)
+    for _ in range(3):
+        again = be.backward(do, q, k, v, o, lse, causal=True)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again, strict=True):
+            assert torch.equal(a, b), name
+    errors = _gpu_oracle_errors((o, lse, *first), q, k, v, do, True, None)
+    for n, (e, b) in errors.items():
+        assert e <= b, f"{n}: error {e:.3e} > bound {b:.3e}"
+    assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
+
+
 def test_gluon_hopper_scope():
     """The Gluon kernels are used where their contract holds and left for the Triton kernels elsewhere."""
     _needs_hopper()
@@ -284,16 +333,24 @@ def test_two_kernel_backward_is_bitwise_deterministic(dtype):
     assert torch.equal(o, o2) and torch.equal(lse, lse2)
 
 
-@pytest.mark.parametrize("delta", ["preprocess", "recompute"])
-def test_atomic_run_to_run_difference_within_tolerance(delta):
-    """Atomic dK/dV sums in a varying order: report how far two runs differ; both must meet the oracle rule."""
+ATOMIC_PATHS = [("preprocess", "128x64 w8 s2"), ("recompute", "128x64 w8 s2"), ("preprocess", "64x128 w8 s2 gluon")]
+
+
+@pytest.mark.parametrize("delta,config", ATOMIC_PATHS)
+def test_atomic_run_to_run_difference_within_tolerance(delta, config):
+    """Sums added atomically in a varying order (dK/dV in the Triton kernel, dQ in the Gluon one): report how far
+    two runs differ; the other outputs are equal, and both runs meet the oracle rule."""
     dtype = torch.float16
     q, k, v, do, _ = _make(1, 8, 2, 2048, 2048, 128, dtype, None, seed=2)
-    be = attnzoo.get("triton_atomic", delta=delta)
+    gluon = KernelConfig.parse(config).gluon
+    if gluon:
+        _needs_hopper()
+    be = attnzoo.get("triton_atomic", delta=delta, configs={"atomic": config})
     runs = [_run(be, q, k, v, do, True, None) for _ in range(2)]
     diffs = {n: float((a.double() - b.double()).abs().max()) for n, a, b in zip(NAMES, *runs, strict=True)}
-    _report(f"[atomic {delta}] max |run1 - run2|: " + " ".join(f"{n}={d:.2e}" for n, d in diffs.items()))
-    assert diffs["o"] == 0.0 and diffs["lse"] == 0.0 and diffs["dq"] == 0.0  # no atomics in these
+    _report(f"[atomic {delta} {config}] max |run1 - run2|: " + " ".join(f"{n}={d:.2e}" for n, d in diffs.items()))
+    exact = ("o", "lse", "dk", "dv") if gluon else ("o", "lse", "dq")  # no atomics in these
+    assert all(diffs[n] == 0.0 for n in exact), diffs
     for outputs in runs:
         errors = _gpu_oracle_errors(outputs, q, k, v, do, True, None)
         for n, (e, b) in errors.items():

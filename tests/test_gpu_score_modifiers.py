@@ -113,18 +113,29 @@ GLUON_DKDV_WINDOWS = [
 ]
 
 
+# The backwards that run the Gluon dK/dV kernel: (backend, its options, the kernel name its configs pin, the variant)
+GLUON_DKDV_BACKWARDS = {
+    "two-kernel": ("triton_2kernel", {}, "dkdv", KernelVariant.DKDV),
+    "five-product": ("triton_atomic", {}, "atomic", KernelVariant.ATOMIC_PREPROCESS),
+    "five-product-ordered": ("triton_atomic", {"deterministic": True}, "atomic", KernelVariant.ATOMIC_ORDERED),
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("cfg", [c for c in CANDIDATES["dkdv"] if c.gluon], ids=str)
-def test_gluon_dkdv_applies_sliding_windows(cfg, dtype):
-    """The Gluon dK/dV kernel, pinned, on windowed calls (the launch layer sends them to it, not to its Triton twin):
-    all five outputs within SPEC.md's bound of the float64 oracle, every element written."""
+@pytest.mark.parametrize("backward", GLUON_DKDV_BACKWARDS)
+def test_gluon_dkdv_applies_sliding_windows(backward, cfg, dtype):
+    """The Gluon dK/dV kernel, pinned, on windowed calls (the launch layer sends them to it, not to its Triton twin),
+    in the two-kernel backward and in the five-product one (dQ added atomically, in any or a fixed order): all five
+    outputs within SPEC.md's bound of the float64 oracle, every element written."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels need an sm_90 GPU")
-    backend = attnzoo.get("triton_2kernel", configs={"dkdv": cfg})
+    name, options, kernel, variant = GLUON_DKDV_BACKWARDS[backward]
+    backend = attnzoo.get(name, configs={kernel: cfg}, **options)
     for B, H, Hkv, Nq, Nk, D, causal, window in GLUON_DKDV_WINDOWS:
         q, k, v, do, _, _ = _make(B, H, Hkv, Nq, Nk, D, D, dtype, seed=Nq + Nk)
         call = prepare(q, k, v, validate_forward(q, k, v, causal=causal, window=window))
-        reasons = call.gluon_reasons(KernelVariant.DKDV, do)
+        reasons = call.gluon_reasons(variant, do)
         assert not reasons, reasons
         kw = dict(causal=causal, window=window)
         _check(_run(backend, q, k, v, do, **kw), q, k, v, do, **kw)

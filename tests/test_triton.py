@@ -397,6 +397,23 @@ def test_atomic_delta_option():
         TritonAtomic(delta="twice")
 
 
+def test_atomic_deterministic_option():
+    """``deterministic=True`` declares a reproducible backward; off Hopper's Gluon kernel (here: the interpreter) it
+    is the two-kernel backward, bit for bit."""
+    ordered = attnzoo.get("triton_atomic", deterministic=True)
+    assert ordered.capabilities.deterministic and not attnzoo.get("triton_atomic").capabilities.deterministic
+    with pytest.raises(ValueError, match="deterministic"):
+        TritonAtomic(delta="recompute", deterministic=True)
+    with pytest.raises(TypeError, match="deterministic"):
+        TritonAtomic(deterministic="yes")
+    q, k, v, do, _ = _inputs(1, 2, 1, 40, 40, 16, None, seed=4)
+    o, lse = ordered.forward(q, k, v, causal=True)
+    grads = ordered.backward(do, q, k, v, o, lse, causal=True)
+    two_kernel = attnzoo.get("triton_2kernel").backward(do, q, k, v, o, lse, causal=True)
+    for a, b in zip(grads, two_kernel, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("name", TRITON)
 def test_fp16_matches_oracle_rule(name):
     q, k, v, do, sl = _inputs(2, 2, 1, 40, 56, 64, [56, 30], dtype=torch.float16, seed=5)

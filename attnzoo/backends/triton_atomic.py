@@ -9,10 +9,17 @@ The row term ``D_i = rowsum(dP_i * P_i)`` of the backward has two variants, chos
 ``attnzoo.get("triton_atomic")`` is the default instance; ``attnzoo.get("triton_atomic", delta="recompute")`` the
 other one.  The order of the atomic additions changes from run to run, so dK/dV are not bitwise reproducible
 (``deterministic=False``).
+
+On Hopper (``delta="preprocess"``) the tuner also has the five-product backward: the Gluon K/V-stationary kernel of
+``kernels/backward_gluon.py`` computes dK and dV of its keys in registers and adds each Q tile's dQ share into a
+float32 buffer atomically; there dQ is the sum that varies in order.  ``deterministic=True`` adds those shares in a
+fixed order (a lock per dQ tile, FlashAttention-3's scheme): the whole backward is then bitwise reproducible, and
+calls outside that kernel's scope run the two-kernel backward (reproducible too).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from ..backend import Capabilities, register
@@ -34,7 +41,8 @@ class TritonAtomic(TritonBackend):
     """Triton FA2 forward; Q-stationary backward with atomic dK/dV.
 
     ``delta``: "preprocess" or "recompute" (how D_i is obtained); ``configs``: kernel ("forward", "atomic") -> the
-    config always used for it.
+    config always used for it; ``deterministic``: a bitwise reproducible backward (see the module docstring; with
+    "preprocess" only).
     """
 
     name = "triton_atomic"
@@ -42,7 +50,8 @@ class TritonAtomic(TritonBackend):
     capabilities = Capabilities(
         summary=(
             "Triton FA2 forward (on Hopper also the Gluon one); one Q-stationary backward kernel, dK/dV added "
-            "with tl.atomic_add"
+            "with tl.atomic_add; on Hopper also a K/V-stationary Gluon backward of five products per tile, dQ added "
+            "atomically (in a fixed order with deterministic=True)"
         ),
         devices=frozenset({"cuda", "cpu"}),
         dtypes=TRITON_DTYPES,
@@ -52,11 +61,23 @@ class TritonAtomic(TritonBackend):
         extra_reasons=triton_extra_reasons,
     )
 
-    def __init__(self, delta: str = DEFAULT_DELTA, configs: Mapping[str, KernelConfig | str] | None = None) -> None:
+    def __init__(
+        self,
+        delta: str = DEFAULT_DELTA,
+        configs: Mapping[str, KernelConfig | str] | None = None,
+        deterministic: bool = False,
+    ) -> None:
         if delta not in DELTA_MODES:
             raise ValueError(f"delta must be one of {DELTA_MODES}, got {delta!r}")
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+        if deterministic and delta != "preprocess":
+            raise ValueError("deterministic=True needs delta='preprocess' (the ordered dQ is the Hopper kernel's)")
         super().__init__(configs)
         self.delta = delta
+        self.deterministic = deterministic
+        if deterministic:
+            self.capabilities = dataclasses.replace(type(self).capabilities, deterministic=True)
 
     def backward_prepared(self, call, do, o, lse):
-        return kernels().backward_atomic(call, do, o, lse, self.delta)
+        return kernels().backward_atomic(call, do, o, lse, self.delta, ordered=self.deterministic)

@@ -121,7 +121,9 @@ _TRITON_DEBUG_BACKENDS = ("triton_2kernel", "triton_atomic")
 
 
 def _option_value(text: str) -> Any:
-    """An option value of an impl spec: an int where it reads as one, else the text."""
+    """An option value of an impl spec: a bool for ``true``/``false``, an int where it reads as one, else the text."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
     try:
         return int(text)
     except ValueError:
@@ -131,8 +133,8 @@ def _option_value(text: str) -> Any:
 def parse_impl_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """``"name:key=value,key=value"`` -> ``(name, {key: value, ...})``; ``"name"`` -> ``(name, {})``.
 
-    Values are ints where they read as one, else strings; a dotted key builds a dict, so that
-    ``configs.forward=128x64 w8 s3`` gives ``{"configs": {"forward": "128x64 w8 s3"}}``.
+    Values are bools (``true``/``false``) and ints where they read as one, else strings; a dotted key builds a
+    dict, so that ``configs.forward=128x64 w8 s3`` gives ``{"configs": {"forward": "128x64 w8 s3"}}``.
     """
     name, _, option_text = spec.partition(":")
     options: dict[str, Any] = {}

@@ -18,8 +18,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.compiler.errors import CompilationError
 
 from .._env import triton_interpreter_active
+from .backward_2kernel import attention_backward_2kernel
+from .backward_gluon import attention_dkdv_hopper
 from .common import (
     LOG2E,
     alibi_slope2,
@@ -36,11 +39,13 @@ from .common import (
     tile_in_bounds,
     tile_pointers,
 )
+from .gluon_hopper import record_compile_failure
 from .launch import KernelVariant, PreparedCall, _placeholder, grid_1d, int32_addressable, num_blocks, run, tensor_args
 from .tuning import INTERPRETER_CONFIG
 
 DELTA_MODES = ("recompute", "preprocess")
 PREPROCESS_BLOCK_M = 64
+GLUON_BLOCK_M = 64  # the Q tile of every ``gluon`` config of the "atomic" kernel (tuning.CANDIDATES)
 
 
 # Sizes vary per call: no per-value specialisation (one compiled kernel per tile shape, dtype and flags).
@@ -48,10 +53,11 @@ PREPROCESS_BLOCK_M = 64
 def delta_preprocess_kernel(
     o_ptr, stride_ob, stride_oh, stride_om, stride_od,
     do_ptr, stride_dob, stride_doh, stride_dom, stride_dod,
-    delta_ptr, num_heads, seqlen_q, num_m_blocks, head_dim,
-    EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    delta_ptr, lse_ptr, lse2_ptr, num_heads, seqlen_q, num_m_blocks, head_dim,
+    EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, WRITE_LSE2: tl.constexpr,
 ):  # fmt: skip
     """``delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d]`` in float32; delta is contiguous ``[B, H, Nq]``.
+    WRITE_LSE2: also ``lse2 = lse * log2(e)`` (+inf for an empty row), contiguous as delta, for the Gluon kernel.
 
     (``head_dim``/BLOCK_D are those of o and do: v's head dim.)
     """
@@ -69,26 +75,34 @@ def delta_preprocess_kernel(
     do_tile = load_rows(head_rows(do, batch, head), start_m, local_m, cols, seqlen_q, head_dim, EVEN_D, True)
     delta = row_delta(o_tile, do_tile)
     tl.store(delta_ptr + as_int64(bh) * seqlen_q + rows, delta, mask=rows < seqlen_q)
+    if WRITE_LSE2:
+        lse2 = load_lse2(lse_ptr + as_int64(bh) * seqlen_q + rows, rows, seqlen_q, True)
+        tl.store(lse2_ptr + as_int64(bh) * seqlen_q + rows, lse2, mask=rows < seqlen_q)
 
 
-def compute_delta(call: PreparedCall, o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+def compute_delta(
+    call: PreparedCall, o: torch.Tensor, do: torch.Tensor, lse: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``Delta = rowsum(dO * O)`` -> float32 ``[B, H, Nq]`` (one pass over O and dO instead of over K/V); packed
     (``call.varlen``), ``[1, H, total_q]``: the ``[H, total_q]`` layout the kernels read (a sum per row needs no
-    sequence boundaries, so the packed rows are one sequence here).
+    sequence boundaries, so the packed rows are one sequence here).  With ``lse`` (contiguous, Delta's layout),
+    also ``lse2``, lse in base 2 with +inf for an empty row (else None).
 
-    (The two-kernel backward computes the same sum inside its dQ kernel instead.)
+    (The two-kernel backward computes the same sums inside its dQ kernel instead.)
     """
     if call.varlen:
         o, do = o.transpose(0, 1).unsqueeze(0), do.transpose(0, 1).unsqueeze(0)
     B, H, Nq, Dv = o.shape
     delta = call.new_output((B, H, Nq), torch.float32)
+    lse2 = None if lse is None else call.new_output((B, H, Nq), torch.float32)
     block_m = INTERPRETER_CONFIG.block_m if triton_interpreter_active() else PREPROCESS_BLOCK_M
     num_m_blocks = num_blocks(Nq, block_m)
     delta_preprocess_kernel[grid_1d(num_m_blocks * B * H)](
-        *tensor_args(o), *tensor_args(do), delta, H, Nq, num_m_blocks,
-        head_dim=Dv, EVEN_D=call.modifiers.flags["EVEN_DV"], BLOCK_D=call.block_dv, BLOCK_M=block_m, num_warps=4,
+        *tensor_args(o), *tensor_args(do), delta, delta if lse is None else lse, delta if lse2 is None else lse2,
+        H, Nq, num_m_blocks, head_dim=Dv, EVEN_D=call.modifiers.flags["EVEN_DV"], BLOCK_D=call.block_dv,
+        BLOCK_M=block_m, WRITE_LSE2=lse is not None, num_warps=4,
     )  # fmt: skip
-    return delta
+    return delta, lse2
 
 
 @triton.jit
@@ -289,12 +303,15 @@ def atomic_backward_kernel(
 
 
 def attention_backward_atomic(
-    call: PreparedCall, do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, delta_mode: str
+    call: PreparedCall, do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, delta_mode: str, ordered: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq ``[B, H, Nq, D]``, dk ``[B, Hkv, Nk, D]``, dv ``[B, Hkv, Nk, Dv]`` (dtype of q) with atomic dK/dV
-    accumulation.
+    """dq ``[B, H, Nq, D]``, dk ``[B, Hkv, Nk, D]``, dv ``[B, Hkv, Nk, Dv]`` (dtype of q) with atomic accumulation.
 
-    ``delta_mode``: ``"recompute"`` (second pass over K/V inside the kernel) or ``"preprocess"``.
+    ``delta_mode``: ``"recompute"`` (second pass over K/V inside the kernel) or ``"preprocess"``.  With
+    "preprocess", calls in ``KernelVariant.ATOMIC_PREPROCESS.gluon_scope`` may run a ``gluon`` config: the
+    K/V-stationary Gluon kernel of ``backward_gluon.py`` writing dK/dV and adding dQ atomically (five products per
+    tile).  ``ordered``: that kernel with the dQ additions in a fixed order (bitwise reproducible); outside its scope
+    the two-kernel backward, which is reproducible too.
     """
     if delta_mode not in DELTA_MODES:
         raise ValueError(f"delta must be one of {DELTA_MODES}, got {delta_mode!r}")
@@ -304,19 +321,42 @@ def attention_backward_atomic(
     lse = lse.contiguous()
     do, o = int32_addressable(do), int32_addressable(o)
     recompute = delta_mode == "recompute"
-    variant = KernelVariant.ATOMIC_RECOMPUTE if recompute else KernelVariant.ATOMIC_PREPROCESS
-    delta = _placeholder(q.device) if recompute else compute_delta(call, o, do)  # not read when recomputing
+    if ordered:
+        variant = KernelVariant.ATOMIC_ORDERED
+    else:
+        variant = KernelVariant.ATOMIC_RECOMPUTE if recompute else KernelVariant.ATOMIC_PREPROCESS
+    hopper = not recompute and not call.gluon_reasons(variant, do)
+    if ordered and not hopper:  # no fixed order for the Triton kernel's atomics: the two-kernel backward has one
+        return attention_backward_2kernel(call, do, o, lse)
+    if recompute:
+        delta, lse2 = _placeholder(q.device), None  # not read
+    else:
+        delta, lse2 = compute_delta(call, o, do, lse if hopper else None)
     dq = call.new_output(q.shape, q.dtype)
-    # float32 sums; zeroed before every launch (also before each autotuning trial) by reset().
-    dk_acc = torch.empty(k.shape, dtype=torch.float32, device=q.device)
-    dv_acc = torch.empty(v.shape, dtype=torch.float32, device=q.device)
     modifiers = call.modifiers
-
-    def reset() -> None:
-        dk_acc.zero_()
-        dv_acc.zero_()
+    gluon_ran = False
 
     def launch(cfg) -> None:
+        # Each launch zeroes the float32 sums it adds into first (autotuning trials included).
+        nonlocal gluon_ran
+        if cfg.gluon and hopper:
+            try:
+                dq_acc.zero_()
+                if dq_locks is not None:
+                    dq_locks.zero_()
+                attention_dkdv_hopper(
+                    q, k, v, do, lse2, delta, dk, dv, call.scale, call.causal, modifiers,
+                    cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, dq_acc=dq_acc, dq_locks=dq_locks,
+                )  # fmt: skip
+                gluon_ran = True
+                return
+            except CompilationError as error:  # Gluon's API drifted (frontend error): the Triton kernel serves
+                if ordered:
+                    raise
+                record_compile_failure(error)
+        gluon_ran = False
+        dk_acc.zero_()
+        dv_acc.zero_()
         num_m_blocks = call.q_slots(cfg.block_m)
         programs = call.q_programs(cfg.block_m)
         atomic_backward_kernel[grid_1d(programs)](
@@ -330,5 +370,17 @@ def attention_backward_atomic(
             **modifiers.flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
-    run(call, variant, launch, reset=reset)
+    # The Triton kernel's float32 dK/dV sums; the Gluon kernel's float32 dQ sum (and its locks), dK and dV.
+    dk_acc = torch.empty(k.shape, dtype=torch.float32, device=q.device)
+    dv_acc = torch.empty(v.shape, dtype=torch.float32, device=q.device)
+    if hopper:
+        # Rows padded to whole Q tiles (the Gluon configs' BLOCK_M = 64): the padding rows take the zero shares of
+        # TMA's zero rows, and the additions need no row mask.
+        B, tiles = q.shape[0], num_blocks(Nq, GLUON_BLOCK_M)
+        dq_acc = torch.empty((B, H, tiles * GLUON_BLOCK_M, D), dtype=torch.float32, device=q.device)
+        dq_locks = torch.empty((B, H, tiles), dtype=torch.int32, device=q.device) if ordered else None
+        dk, dv = call.new_output(k.shape, q.dtype), call.new_output(v.shape, q.dtype)
+    run(call, variant, launch, gluon_in_scope=hopper)
+    if gluon_ran:
+        return dq_acc[:, :, :Nq].to(q.dtype), dk, dv
     return dq, dk_acc.to(q.dtype), dv_acc.to(v.dtype)

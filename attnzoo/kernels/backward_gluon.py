@@ -54,6 +54,7 @@ from .gluon_hopper import (
     gluon,
     mbarrier,
     ring_wait,
+    split_accumulator_layout,
     store_rows_below,
     tile_descriptor,
     tma,
@@ -109,9 +110,49 @@ if gluon is not None:
                 visible = keys[:, None] >= positions - window_left
         return visible
 
+    @gluon.jit
+    def _add_dq_share(
+        share, dq_acc_ptr, dq_locks_ptr, start_m, batch, head, num_heads, padded_q, num_m_tiles, n_block,
+        after_predecessor, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, DQ_ORDERED: gl.constexpr,
+        FIRST_PART: gl.constexpr, LAST_PART: gl.constexpr,
+    ):  # fmt: skip
+        """Add this K/V block's share ``[BLOCK_M, BLOCK_D]`` (a ``wgmma`` accumulator, scaled) of the dQ of the Q
+        tile at ``start_m`` of ``head`` into the float32 ``[B, H, Nq, D]`` accumulator; rows past ``seqlen_q`` (the
+        TMA box's zero padding) are not added.
+
+        A thread holds pairs of adjacent columns of the accumulator: one ``red.global.add.v2.f32`` (sm_90) adds a
+        pair and returns nothing, its address formed inside the asm from the tile's base and a 32-bit offset.
+        (Triton 3.6 lowers ``atomic_add`` to one ``atom.add.f32`` per element, each returning the old value and each
+        with a 64-bit address in registers, which spilled here.)
+
+        DQ_ORDERED: when the block before this one also adds into the tile (``after_predecessor``), wait until the
+        tile's lock shows ``n_block``; add; fence, so that the additions are performed before the CTA barrier; set
+        the lock to ``n_block + 1``."""
+        layout: gl.constexpr = share.type.layout
+        local_rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, layout))
+        cols = gl.arange(0, share.type.shape[1], gl.SliceLayout(0, layout))
+        # Offsets within the head's rows, computed here from start_m (not hoisted out of the loop: 16 registers).
+        offsets = (start_m + local_rows)[:, None] * BLOCK_D + cols[None, :]
+        tile = dq_acc_ptr + (batch * num_heads + head).to(gl.int64) * padded_q * BLOCK_D
+        lock = dq_locks_ptr + (batch * num_heads + head).to(gl.int64) * num_m_tiles + start_m // BLOCK_M
+        if DQ_ORDERED and FIRST_PART:
+            if after_predecessor:
+                while gl.atomic_cas(lock, n_block, n_block, sem="acquire") != n_block:
+                    pass
+            cta_barrier()  # no thread adds before the lock showed the predecessor's share in
+        gl.inline_asm_elementwise(
+            "{ .reg .b64 a; mad.wide.s32 a, $2, 4, $6; "
+            "red.global.gpu.relaxed.add.v2.f32 [a], {$4, $5}; mov.b32 $0, 0; mov.b32 $1, 0; }",
+            "=r,=r,r,r,f,f,l,l", [offsets, share, tile.to(gl.int64, bitcast=True)], gl.int32, False, 2,
+        )  # fmt: skip
+        if DQ_ORDERED and LAST_PART:
+            gl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, 0;", "=r,r", [n_block], gl.int32, False, 1)
+            cta_barrier()
+            gl.atomic_xchg(lock, n_block + 1, sem="release")
+
     @gluon.jit(do_not_specialize=[
         "num_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "num_n_blocks", "num_sequences",
-        "search_steps", "window_left", "window_right",
+        "search_steps", "window_left", "window_right", "num_m_tiles",
     ])  # fmt: skip
     def attention_dkdv_hopper_kernel(
         q_desc,
@@ -139,6 +180,9 @@ if gluon is not None:
         cu_seqlens_k,
         num_sequences,
         search_steps,
+        dq_acc_ptr,
+        dq_locks_ptr,
+        num_m_tiles,
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
         BLOCK_D: gl.constexpr,
@@ -148,6 +192,8 @@ if gluon is not None:
         VARLEN: gl.constexpr,
         WINDOW_LEFT: gl.constexpr,
         WINDOW_RIGHT: gl.constexpr,
+        DQ_ATOMIC: gl.constexpr,
+        DQ_ORDERED: gl.constexpr,
     ):
         """dK, dV of one block of BLOCK_N keys of one (batch, kv head); grid: 1-d, num_n_blocks * B * Hkv programs
         (as ``backward_2kernel.dkdv_kernel``), summed over the ``group_size`` query heads that read the kv head.
@@ -163,6 +209,15 @@ if gluon is not None:
         WINDOW_LEFT/WINDOW_RIGHT: the sliding window's bounds (``ScoreModifiers``: ``window_left``/``window_right``,
         read only under their flags); the loop runs over the Q tiles that see some key of the block, and the tiles
         that the window's edges or the causal diagonal cut take the mask (``_visible_t``).
+
+        DQ_ATOMIC (the five-product backward, ``triton_atomic``'s Hopper path): each iteration also computes the Q
+        tile's share ``sm_scale * dS_t K`` of dQ from this block's keys and adds it into ``dq_acc_ptr``, float32
+        ``[B, H, num_m_tiles * BLOCK_M, D]`` zeroed before the launch, in two column halves (the accumulator of a
+        whole share did not fit beside dK and dV in 255 registers at D = 128).  DQ_ORDERED adds the shares in a
+        fixed order (deterministic dQ): ``dq_locks_ptr`` holds one int32 per (batch, head, Q tile), zeroed, which
+        the block ``n`` that adds sets to ``n + 1``; a block whose predecessor also visits the tile first waits for
+        that value.  The K/V blocks that visit a Q tile are consecutive (both ends of ``q_loop_bounds`` grow with
+        ``start_n``), and a program's predecessor starts no later than it, so every wait ends.
         """
         NUM_WARPS: gl.constexpr = gl.num_warps()
         gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "one warpgroup per 64 keys: BLOCK_N must be 16 * num_warps")
@@ -213,6 +268,16 @@ if gluon is not None:
         tiles_per_head = (hi - lo) // BLOCK_M
         n_iters = tiles_per_head * group_size
         diagonal_offset = seq_k - seq_q
+        if DQ_ORDERED:  # the Q tiles [prev_lo, prev_hi) also take dQ shares from the block before this one
+            prev_lo, _, _, prev_hi = q_loop_bounds(
+                start_n - BLOCK_N, seq_q, seq_k, start_n, window_left, window_right, CAUSAL, WINDOW_LEFT,
+                WINDOW_RIGHT, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+            if start_n == 0:
+                prev_hi = prev_lo
+        else:  # not read
+            prev_lo = lo
+            prev_hi = lo
 
         k_smem = gl.allocate_shared_memory(DTYPE, k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(DTYPE, v_desc.block_type.shape, v_desc.layout)
@@ -223,6 +288,19 @@ if gluon is not None:
         mbarrier.init(kv_bar, count=1)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(q_do_bars.index(i), count=1)
+        if DQ_ATOMIC:
+            # dS^T leaves the registers for dQ = dS K, whose rows are the Q tile's (the registers hold keys along
+            # the rows): the product reads it transposed from shared memory.  Its accumulator splits the D columns
+            # between the warpgroups when the tile has fewer than 64 rows per warpgroup.
+            ds_smem = gl.allocate_shared_memory(
+                DTYPE, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], DTYPE)
+            )  # fmt: skip
+            # dQ's share in two column halves: fewer registers held at once.  In ptxas (64 x 128 w8, D = 128, no
+            # mask) the halves spilled 108 bytes a thread, the whole share 276 and quarters 308; at D = 64 the halves
+            # spill nothing and the whole share 68 bytes (64 x 64 w4, causal).
+            DQ_PARTS: gl.constexpr = 2
+            DQ_WIDTH: gl.constexpr = BLOCK_D // DQ_PARTS
+            dq_layout: gl.constexpr = split_accumulator_layout(NUM_WARPS, BLOCK_M, DQ_WIDTH)
         fence_async_shared()
 
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -264,6 +342,9 @@ if gluon is not None:
                     zero_rows_from(q_tile, seq_q - start_m, NUM_WARPS)
                     zero_rows_from(do_tile, seq_q - start_m, NUM_WARPS)
                     cta_barrier()  # every warp's zeros land before any warpgroup's products read the tiles
+            if DQ_ATOMIC:
+                s_t = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+                dp_t = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
             s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_t, use_acc=False, is_async=True)
             dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), dp_t, use_acc=False, is_async=True)
             # wgmma groups complete in order: one outstanding means S^T is done and dP^T may still run.
@@ -284,10 +365,32 @@ if gluon is not None:
             dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
             dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
             ds_t = p_t * (dp_t - delta[None, :])
-            ds_op = gl.convert_layout(ds_t.to(DTYPE), operand_layout)
-            dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
-            # P^T and dS^T stay alive (the products read them from registers) until this wait.
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
+            if DQ_ATOMIC:
+                # dK and dQ both read dS^T from shared memory (fewer registers live than with dK's operand in
+                # registers: 64 x 128 tiles at D = 128 fit 255 registers only so).
+                ds_smem.store(ds_t.to(DTYPE))
+                dv, p_op = warpgroup_mma_wait(0, deps=(dv, p_op))
+                fence_async_shared()
+                cta_barrier()  # dQ's reduction runs over all BLOCK_N keys: every warpgroup's dS^T rows land first
+                dk = warpgroup_mma(ds_smem, q_tile, dk, is_async=True)
+                for part in gl.static_range(DQ_PARTS):
+                    dq_part = gl.zeros([BLOCK_M, DQ_WIDTH], gl.float32, dq_layout)
+                    dq_part = warpgroup_mma(
+                        ds_smem.permute((1, 0)), k_tile.slice(part * DQ_WIDTH, DQ_WIDTH, dim=1), dq_part,
+                        use_acc=False, is_async=True,
+                    )  # fmt: skip
+                    dk, dq_part = warpgroup_mma_wait(0, deps=(dk, dq_part))
+                    _add_dq_share(
+                        dq_part * sm_scale, dq_acc_ptr + part * DQ_WIDTH, dq_locks_ptr, start_m, batch,
+                        first_head + g, num_heads, num_m_tiles * BLOCK_M, num_m_tiles, start_n // BLOCK_N,
+                        (start_m >= prev_lo) & (start_m < prev_hi), BLOCK_M, BLOCK_D, DQ_ORDERED, part == 0,
+                        part == DQ_PARTS - 1,
+                    )  # fmt: skip
+            else:
+                ds_op = gl.convert_layout(ds_t.to(DTYPE), operand_layout)
+                dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+                # P^T and dS^T stay alive (the products read them from registers) until this wait.
+                dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
             # Every warpgroup is past the products that read slot t: refill it with the tile NUM_STAGES ahead.
             cta_barrier()
             _load_q_do_tile(
@@ -339,6 +442,8 @@ def attention_dkdv_hopper(
     num_warps: int = 8,
     num_stages: int = 2,
     varlen: tuple | None = None,
+    dq_acc: torch.Tensor | None = None,
+    dq_locks: torch.Tensor | None = None,
 ) -> None:
     """Write ``dk``, ``dv`` ``[B, Hkv, Nk, D]`` (contiguous, dtype of q; summed over each head group).
 
@@ -349,6 +454,11 @@ def attention_dkdv_hopper(
     ``varlen = (cu_seqlens_q, cu_seqlens_k, B, search_steps)``: a packed batch (``launch.PreparedCall.varlen_args``),
     q, do ``[total_q, H, D]``, k, v ``[total_k, Hkv, D]``, dk, dv ``[total_k, Hkv, D]`` (contiguous), lse2 and
     delta ``[H, total_q]``.
+
+    ``dq_acc``: the five-product backward (dense calls): also add ``dQ`` into this float32 ``[B, H, Nq', D]``
+    tensor (contiguous, zeroed; Nq' is Nq rounded up to ``block_m``, the padding rows take zeros); ``dq_locks``:
+    int32 ``[B, H, Nq' / block_m]`` (zeroed) to add the K/V blocks' shares in a fixed order (bitwise reproducible
+    dQ), None for the unordered additions.
     """
     dk_rows, dv_rows = dk, dv  # packed: the [total_k, Hkv, D] tensors that the masked stores address
     if dv.shape != dk.shape:  # one row stride and one head offset serve both stores: Dv = D (the scope's head dims)
@@ -365,14 +475,18 @@ def attention_dkdv_hopper(
     Hkv, Nk = k.shape[1], k.shape[2]
     if block_n != 16 * num_warps:
         raise ValueError(f"block_n={block_n} with num_warps={num_warps}: the kernel needs block_n = 16 * num_warps")
+    padded = (B, H, -(-Nq // block_m) * block_m, D) if varlen is None else None
+    if dq_acc is not None and (varlen is not None or not dq_acc.is_contiguous() or tuple(dq_acc.shape) != padded):
+        raise ValueError(f"dq_acc must be a contiguous {padded} tensor (Nq rounded up to block_m) of a dense call")
     # Packed: slots per kv head (common.kv_block_opening), at most one idle slot per sequence.
     num_n_blocks = -(-Nk // block_n) if varlen is None else Nk // block_n + varlen[2]
     attention_dkdv_hopper_kernel[(num_n_blocks * B * Hkv,)](
         tile_descriptor(q, block_m), tile_descriptor(k, block_n), tile_descriptor(v, block_n),
         tile_descriptor(do, block_m), tile_descriptor(dk, block_n), tile_descriptor(dv, block_n), lse2, delta,
         H, Hkv, H // Hkv, Nq, Nk, num_n_blocks, scale, scale * LOG2E, *modifiers.args[1:3], dk_rows, dv_rows,
-        dk_rows.stride(0), *sequences,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=D, CAUSAL=causal, NUM_STAGES=num_stages,
+        dk_rows.stride(0), *sequences, lse2 if dq_acc is None else dq_acc, lse2 if dq_locks is None else dq_locks,
+        -(-Nq // block_m), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=D, CAUSAL=causal, NUM_STAGES=num_stages,
         IS_FP16=q.dtype == torch.float16, VARLEN=varlen is not None, WINDOW_LEFT=modifiers.flags["WINDOW_LEFT"],
-        WINDOW_RIGHT=modifiers.flags["WINDOW_RIGHT"], num_warps=num_warps,
+        WINDOW_RIGHT=modifiers.flags["WINDOW_RIGHT"], DQ_ATOMIC=dq_acc is not None, DQ_ORDERED=dq_locks is not None,
+        num_warps=num_warps,
     )  # fmt: skip

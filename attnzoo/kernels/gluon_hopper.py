@@ -56,6 +56,7 @@ __all__ = [
     "ring_load",
     "ring_load_pair",
     "ring_wait",
+    "split_accumulator_layout",
     "tile_descriptor",
     "tma",
     "tma_load",
@@ -88,6 +89,17 @@ if gluon is not None:
         reduces over 32 bytes of each operand row: K = 16 for 16-bit operands, 32 for FP8 ones."""
         k = 256 // operand_bits
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, columns, k])
+
+    @constexpr_function
+    def split_accumulator_layout(num_warps, rows, columns):
+        """The register layout of a 16-bit ``wgmma`` accumulator ``[rows, columns]`` where ``rows`` may be fewer
+        than 16 per warp: the warpgroups (64 rows each) stack along the rows as far as they go, and split the
+        columns beyond (64 rows over 8 warps: each warpgroup takes half the columns)."""
+        along_rows = min(num_warps, rows // 16)
+        along_columns = num_warps // along_rows
+        return gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[along_rows, along_columns], instr_shape=[16, columns // along_columns, 16]
+        )
 
     @gluon.jit
     def ring_load(desc, bars, ring, index, batch, head, row, pred, NUM_STAGES: gl.constexpr):
@@ -159,7 +171,8 @@ if gluon is not None:
             gl.store(at, values, mask=(row < rows_kept)[:, None])
 
 else:  # pragma: no cover - see the import above
-    accumulator_layout = ring_load = ring_load_pair = ring_wait = zero_rows_from = store_rows_below = None
+    accumulator_layout = split_accumulator_layout = ring_load = ring_load_pair = ring_wait = None
+    zero_rows_from = store_rows_below = None
 
 
 _compile_failure: list[str] = []  # the first compilation error of a Gluon kernel in this process, if any

@@ -140,6 +140,8 @@ class KernelVariant(enum.Enum):
     DKDV = "dkdv"  # the K/V-stationary dK/dV kernel
     ATOMIC_PREPROCESS = "atomic:preprocess"  # Q-stationary atomic backward, Delta from the preprocess kernel
     ATOMIC_RECOMPUTE = "atomic:recompute"  # the same with Delta recomputed by a first pass over K/V
+    # The atomic backward's Hopper path with its dQ shares added in a fixed order (its Gluon configs only).
+    ATOMIC_ORDERED = "atomic:ordered"
 
     @property
     def kernel(self) -> str:
@@ -158,6 +160,7 @@ _KERNEL_OF = {
     KernelVariant.DKDV: "dkdv",
     KernelVariant.ATOMIC_PREPROCESS: "atomic",
     KernelVariant.ATOMIC_RECOMPUTE: "atomic",
+    KernelVariant.ATOMIC_ORDERED: "atomic",
 }
 
 
@@ -568,7 +571,13 @@ _GLUON_SCOPES = {
     KernelVariant.DKDV: GluonScope(
         "backward_gluon.py", needs_positive_scale=False, extra_tma_operands=("do",), window=True, varlen=True
     ),
+    # The same kernel with dQ added atomically (the five-product backward): dense calls, checked by
+    # tests/test_gpu.py::test_five_product_backward_matches_the_oracle.
+    KernelVariant.ATOMIC_PREPROCESS: GluonScope(
+        "backward_gluon.py", needs_positive_scale=False, extra_tma_operands=("do",), window=True
+    ),
 }
+_GLUON_SCOPES[KernelVariant.ATOMIC_ORDERED] = _GLUON_SCOPES[KernelVariant.ATOMIC_PREPROCESS]
 
 
 def run(
@@ -620,6 +629,8 @@ def run(
             configs = [c for c in configs if not c.tma] or configs
         if any(c.gluon for c in configs) and not gluon_in_scope:
             configs = [c for c in configs if not c.gluon] or configs
+        if variant is KernelVariant.ATOMIC_ORDERED:  # the ordered dQ is a Gluon kernel's
+            configs = [c for c in configs if c.gluon]
         if call.varlen or call.descale is not None:  # one Q block per program: persistent runs its Triton twin
             configs = [c for c in configs if not c.persistent] or configs
         return configs

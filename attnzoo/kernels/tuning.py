@@ -186,6 +186,10 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         # BLOCK_D = 256: the tile with the fewest spill bytes in ptxas (268 B; the others above that fit spill 3.8-6.5
         # KB there).
         KernelConfig(128, 32, 8, 2),
+        # On Hopper (``KernelVariant.ATOMIC_PREPROCESS.gluon_scope``): the Gluon dK/dV kernel, K/V-stationary, that
+        # also adds each Q tile's dQ share atomically (five products per tile instead of the two kernels' seven).
+        KernelConfig(64, 128, 8, 2, gluon=True),
+        KernelConfig(64, 64, 4, 2, gluon=True),
     ],
 }
 
@@ -199,7 +203,8 @@ def shared_memory_estimate(
     dv = block_dv or block_d
     if kernel == "forward":  # Q resident, K and V streamed.
         return itemsize * (block_d * (m + n * s) + dv * n * s)
-    if kernel == "dkdv":  # K, V resident; Q and dO streamed; P^T and dS^T staged for the dots.
+    if kernel == "dkdv" or (kernel == "atomic" and cfg.gluon):
+        # K, V resident; Q and dO streamed; P^T and dS^T staged for the dots (the Gluon kernel stages dS^T only).
         return itemsize * ((block_d + dv) * (n + m * s) + 2 * m * n)
     # dq, atomic: Q and dO resident; K and V streamed; dS (and P^T) staged for the dots.
     return itemsize * ((block_d + dv) * (m + n * s) + 2 * m * n)
