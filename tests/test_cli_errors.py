@@ -155,6 +155,26 @@ def test_bench_ab_times_a_backend_against_itself_with_a_pinned_config(tmp_path, 
     assert [row.split(",")[2] for row in out.read_text().splitlines()[1:]] == ["triton_2kernel", pinned]
 
 
+def test_bench_ab_replot_summarises_its_csv_and_draws_the_ratios(tmp_path, capsys):
+    """``--replot``: per shape, each impl's median forward and backward over the rounds and the first impl's backward
+    over its own; ``--plot`` draws them.  Timing flags are not needed, impls are refused."""
+    out, png = tmp_path / "ab.csv", tmp_path / "ab.png"
+    out.write_text(
+        "shape,round,impl,fwd_ms,bwd_ms\n"
+        "fp16 D=64 N=1024 full B=1 H=2,0,a,1.0,4.0\nfp16 D=64 N=1024 full B=1 H=2,0,b,1.0,2.0\n"
+        "fp16 D=64 N=1024 full B=1 H=2,1,b,1.0,3.0\nfp16 D=64 N=1024 full B=1 H=2,1,a,1.0,4.0\n"
+    )
+    assert ab.main(["--replot", str(out), "--plot", str(png)]) == 0
+    table = capsys.readouterr().out
+    assert "fp16 D=64 N=1024 full B=1 H=2:" in table
+    assert [line.split()[-1] for line in table.splitlines()[1:]] == ["x1.000", "x1.600"]  # 4.0 / median(2, 3)
+    assert png.stat().st_size > 0
+    assert "give no impls" in usage_error(["bench", "ab", "numpy_ref", "--replot", str(out)], capsys)
+    assert "--plot draws a --replot summary" in usage_error(
+        ["bench", "ab", "--device", "cpu", "numpy_ref", "torch_fa2", "--plot", str(png)], capsys
+    )
+
+
 def _parsers() -> list[argparse.ArgumentParser]:
     io_parser = io.build_parser()
     subparsers = [

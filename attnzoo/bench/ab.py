@@ -13,6 +13,11 @@ a colon, comma-separated: ``triton_atomic:delta=recompute``, or a pinned kernel 
     python -m attnzoo bench ab triton_2kernel flex_attention sdpa_flash --dtype fp16 --d 128 --N 2k,8k --rounds 5
     python -m attnzoo bench ab "triton_2kernel:configs.forward=128x128 w8 s3 gluon" \\
         "triton_2kernel:configs.forward=128x64 w8 s3 tma" --mode fwd --d 128 --N 8k
+
+``--replot CSV [CSV ...]`` reads such CSVs instead of timing: per shape, each impl's median forward and backward
+time and its backward (forward in fwd mode) ratio to the first impl, as a table and, with ``--plot PNG``, a figure.
+
+    python -m attnzoo bench ab --replot bench/results/h100_five_product.csv --plot bench/results/h100_five_product.png
 """
 
 from __future__ import annotations
@@ -87,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         epilog="Exit status: 0 when every impl ran every shape; 1 when one could not; 2 for a bad flag.",
     )
-    p.add_argument("impls", nargs="+", metavar="IMPL", help="two or more impls; ratios are to the first")
+    p.add_argument("impls", nargs="*", metavar="IMPL", help="two or more impls; ratios are to the first")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if cuda else "cpu", help="default: cuda if any")
     p.add_argument("--mode", choices=["fwd", "train"], default="train", help="train: forward and backward, each alone")
     p.add_argument("--dtype", default=defaults["dtype"].split(",")[0], help="fp16, bf16, fp32 or fp64")
@@ -104,12 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs (drawn once per shape)")
     p.add_argument("--out", default=None, help="CSV of every (shape, round, impl) timing")
+    p.add_argument("--replot", nargs="+", default=None, metavar="CSV", help="summarise these CSVs, time nothing")
+    p.add_argument("--plot", default=None, metavar="PNG", help="with --replot: draw the ratios to the first impl")
     return p
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[impl_registry.Impl]]:
     p = build_parser()
     args = p.parse_args(argv)
+    if args.replot is not None:
+        if args.impls:
+            p.error("--replot reads CSVs: give no impls")
+        return args, []
+    if args.plot is not None:
+        p.error("--plot draws a --replot summary")
     cli.check_device(p, args.device)
     if len(args.impls) < 2:
         p.error(f"give two or more impls to compare, got {len(args.impls)}")
@@ -141,8 +154,79 @@ def time_impl(impl: impl_registry.Impl, inputs: impl_registry.Inputs, train: boo
     return fwd_ms, bwd_ms
 
 
+def summarize(paths: list[str]) -> dict[str, dict[str, tuple[float, float | None]]]:
+    """shape -> impl -> (median forward ms, median backward ms or None) over the rounds of ab CSVs, in the order
+    the CSVs list them."""
+    fwd: dict[str, dict[str, list[float]]] = {}
+    bwd: dict[str, dict[str, list[float]]] = {}
+    for path in paths:
+        with Path(path).open(newline="") as f:
+            for row in csv.DictReader(f):
+                fwd.setdefault(row["shape"], {}).setdefault(row["impl"], []).append(float(row["fwd_ms"]))
+                if row["bwd_ms"]:
+                    bwd.setdefault(row["shape"], {}).setdefault(row["impl"], []).append(float(row["bwd_ms"]))
+    return {
+        shape: {
+            impl: (
+                statistics.median(times),
+                statistics.median(bwd[shape][impl]) if impl in bwd.get(shape, {}) else None,
+            )
+            for impl, times in impls.items()
+        }
+        for shape, impls in fwd.items()
+    }
+
+
+def summary_table(summary: dict[str, dict[str, tuple[float, float | None]]]) -> str:
+    """One block per shape: median forward and backward ms of each impl, and the first impl's backward time over
+    its own (the forward's where there is no backward; above 1: faster than the first)."""
+    lines = []
+    for shape, impls in summary.items():
+        first_fwd, first_bwd = next(iter(impls.values()))
+        lines.append(f"{shape}:")
+        for impl, (fwd_ms, bwd_ms) in impls.items():
+            ratio = first_bwd / bwd_ms if first_bwd and bwd_ms else first_fwd / fwd_ms
+            bwd_text = f"{bwd_ms:9.3f}" if bwd_ms is not None else "        -"
+            lines.append(f"  {impl:<40} fwd {fwd_ms:9.3f} ms  bwd {bwd_text} ms  x{ratio:.3f}")
+    return "\n".join(lines)
+
+
+def plot_summary(summary: dict[str, dict[str, tuple[float, float | None]]], png: str) -> None:
+    """Bars per shape: each impl's backward speed relative to the first impl (forward where there is none)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(summary)
+    impls = list(dict.fromkeys(impl for row in summary.values() for impl in row))
+    width = 0.8 / len(impls)
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.9 * len(shapes) * len(impls) * width + 3), 4.5))
+    for i, impl in enumerate(impls):
+        values = []
+        for shape in shapes:
+            first_fwd, first_bwd = next(iter(summary[shape].values()))
+            fwd_ms, bwd_ms = summary[shape].get(impl, (float("nan"), None))
+            values.append(first_bwd / bwd_ms if first_bwd and bwd_ms else first_fwd / fwd_ms)
+        ax.bar([x + i * width for x in range(len(shapes))], values, width, label=impl)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))], [s.split(" B=")[0] for s in shapes])
+    ax.tick_params(axis="x", labelrotation=60, labelsize=7)
+    ax.set_ylabel(f"speed relative to {impls[0]} (backward)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+
+
 def main(argv: list[str]) -> int:
     args, impls = parse_args(argv)
+    if args.replot is not None:
+        summary = summarize(args.replot)
+        print(summary_table(summary))
+        if args.plot:
+            plot_summary(summary, args.plot)
+        return 0
     device, dtype, train = torch.device(args.device), DTYPES[args.dtype], args.mode == "train"
     causals = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
     rows, failed = [], False
