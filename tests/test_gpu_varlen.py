@@ -155,9 +155,9 @@ def test_gluon_forward_on_packed_batches(forward, dtype, case):
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
 
-# Every case in the Gluon dK/dV kernel's scope (D = 64 or 128, sliding windows only): key blocks cut by a sequence's
-# end at 1, 63-65 and 127-129 keys, Q tiles cut likewise, empty sequences, Nq != Nk, GQA, a heads-major layout, a
-# causal window.
+# Every case in the Gluon dK/dV kernel's scope (D = 64 or 128, sliding windows and ALiBi): key blocks cut by a
+# sequence's end at 1, 63-65 and 127-129 keys, Q tiles cut likewise, empty sequences, Nq != Nk, GQA, a heads-major
+# layout, a causal window, ALiBi slopes per (sequence, head).
 GLUON_DKDV_CASES = {
     "causal-d128": GLUON_CASES["causal"],
     "full-d64-gqa": VarlenCase(
@@ -169,6 +169,9 @@ GLUON_DKDV_CASES = {
     ),
     "window-d128": VarlenCase(
         (65, 1, 200, 129), (70, 1, 190, 129), 4, 2, 128, 128, True, (60, 0), 0.0, "none", F16, "contiguous", None, 8
+    ),
+    "alibi-d64-gqa": VarlenCase(
+        (200, 65, 1), (190, 64, 129), 4, 2, 64, 64, True, None, 0.0, "batch-heads", F16, "contiguous", None, 9
     ),
 }  # fmt: skip
 

@@ -28,9 +28,12 @@ lse2 loads as +inf), and K/V rows past Nk give gradient rows that the TMA store 
 diagonal and the window's edges apply a mask.  On the H100 the whole backward ran 1.02-1.07x faster than with the
 best Triton dK/dV tile at D=128 and 0.84-0.96x at D=64 (fp16; the autotuner chooses; docs/design.md).
 
-Scope (``KernelVariant.DKDV.gluon_scope`` in ``launch.py``): D = 64 or 128, sliding windows but no other score
-modifier (the soft cap and ALiBi run the Triton kernel), dO addressable by TMA.  ``seqlens_k`` is out of it: K/V
-rows past ``seqlens_k[b]`` may hold NaN, which ``dP^T`` would carry into dK rows that must be 0.
+Scope (``KernelVariant.DKDV.gluon_scope`` in ``launch.py``): D = 64 or 128, sliding windows and ALiBi but not the
+soft cap (it runs the Triton kernel), dO addressable by TMA.  ``seqlens_k`` is out of it: K/V rows past
+``seqlens_k[b]`` may hold NaN, which ``dP^T`` would carry into dK rows that must be 0.
+
+With DQ_ATOMIC the same kernel is the five-product backward (``triton_atomic`` on Hopper): it also adds each Q
+tile's share of dQ into a float32 buffer, in a fixed order with DQ_ORDERED (see the kernel's docstring).
 
 Packed batches (VARLEN, ``attention_varlen``) run on ``[1, H, total, D]`` views, one K/V block of one sequence per
 program.  A Q/dO box of a sequence's last Q tile reaches into the next sequence's rows: those rows are zeroed in
@@ -111,6 +114,18 @@ if gluon is not None:
         return visible
 
     @gluon.jit
+    def _alibi_bias_t(keys, positions, slope, CAUSAL: gl.constexpr):
+        """ALiBi's term ``-slope |i' - j|`` in base 2 as a ``[BLOCK_N, BLOCK_M]`` tile (keys along the rows, rows'
+        positions ``i'`` along the columns), from the exact integer distance: keys and positions may be 10^4 apart,
+        and a difference of two such float32 products would lose the small distances' digits.  With CAUSAL every
+        visible key has ``j <= i'``, so the distance needs no ``abs`` (the keys past it are masked afterwards)."""
+        offset = keys[:, None] - positions[None, :]
+        slope2 = slope * 1.4426950408889634
+        if CAUSAL:
+            return slope2 * offset.to(gl.float32)
+        return -slope2 * gl.abs(offset).to(gl.float32)
+
+    @gluon.jit
     def _add_dq_share(
         share, dq_acc_ptr, dq_locks_ptr, start_m, batch, head, num_heads, padded_q, num_m_tiles, n_block,
         after_predecessor, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, DQ_ORDERED: gl.constexpr,
@@ -152,7 +167,7 @@ if gluon is not None:
 
     @gluon.jit(do_not_specialize=[
         "num_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "num_n_blocks", "num_sequences",
-        "search_steps", "window_left", "window_right", "num_m_tiles",
+        "search_steps", "window_left", "window_right", "num_m_tiles", "stride_alibi_b", "stride_alibi_h",
     ])  # fmt: skip
     def attention_dkdv_hopper_kernel(
         q_desc,
@@ -173,6 +188,9 @@ if gluon is not None:
         qk_scale,
         window_left,
         window_right,
+        alibi_ptr,
+        stride_alibi_b,
+        stride_alibi_h,
         dk_ptr,
         dv_ptr,
         stride_dkv_row,
@@ -192,6 +210,7 @@ if gluon is not None:
         VARLEN: gl.constexpr,
         WINDOW_LEFT: gl.constexpr,
         WINDOW_RIGHT: gl.constexpr,
+        ALIBI: gl.constexpr,
         DQ_ATOMIC: gl.constexpr,
         DQ_ORDERED: gl.constexpr,
     ):
@@ -208,7 +227,10 @@ if gluon is not None:
 
         WINDOW_LEFT/WINDOW_RIGHT: the sliding window's bounds (``ScoreModifiers``: ``window_left``/``window_right``,
         read only under their flags); the loop runs over the Q tiles that see some key of the block, and the tiles
-        that the window's edges or the causal diagonal cut take the mask (``_visible_t``).
+        that the window's edges or the causal diagonal cut take the mask (``_visible_t``).  ALIBI: the slopes
+        ``alibi_ptr`` float32 ``[B, H]`` (strides given; a packed batch's rows are its sequences) add
+        ``-slope |i' - j|`` to each score before the exponential (``_alibi_bias_t``); the gradients' formulas are
+        unchanged (the term does not depend on q or k).
 
         DQ_ATOMIC (the five-product backward, ``triton_atomic``'s Hopper path): each iteration also computes the Q
         tile's share ``sm_scale * dS_t K`` of dQ from this block's keys and adds it into ``dq_acc_ptr``, float32
@@ -234,7 +256,7 @@ if gluon is not None:
         if VARLEN:
             # Rows and keys count within the sequence; a TMA box of it starts at [0, head, origin + row, 0].
             # (cu_seqlens_q stands in for seqlens_k, which the scope excludes.)
-            _, kv_head, start_n, q_origin, k_origin, seq_q, seq_k, _ = kv_block_opening(
+            sequence, kv_head, start_n, q_origin, k_origin, seq_q, seq_k, _ = kv_block_opening(
                 pid, num_n_blocks, num_kv_heads, cu_seqlens_q, seqlen_q, seqlen_k,
                 (cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps), BLOCK_N, False, True,
             )  # fmt: skip
@@ -242,6 +264,7 @@ if gluon is not None:
                 return
             batch = 0
             stats_base = q_origin
+            slopes_row = sequence  # ALiBi's slopes are [B, H]: a packed sequence's row
         else:
             bh_kv = pid // num_n_blocks
             n_block = pid % num_n_blocks
@@ -253,6 +276,7 @@ if gluon is not None:
             seq_q = seqlen_q
             seq_k = seqlen_k
             stats_base = 0
+            slopes_row = batch
         first_head = kv_head * group_size
 
         # Q tiles [lo, unmasked_lo) cross the causal diagonal (or the window's right edge) and [unmasked_hi, hi)
@@ -342,7 +366,7 @@ if gluon is not None:
                     zero_rows_from(q_tile, seq_q - start_m, NUM_WARPS)
                     zero_rows_from(do_tile, seq_q - start_m, NUM_WARPS)
                     cta_barrier()  # every warp's zeros land before any warpgroup's products read the tiles
-            if DQ_ATOMIC:
+            if DQ_ATOMIC:  # fresh (ignored) accumulator inputs: none carried across the dQ additions (16 B less spill)
                 s_t = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
                 dp_t = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
             s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_t, use_acc=False, is_async=True)
@@ -350,7 +374,15 @@ if gluon is not None:
             # wgmma groups complete in order: one outstanding means S^T is done and dP^T may still run.
             s_t = warpgroup_mma_wait(1, deps=(s_t,))
             delta = gl.load(delta_ptr + stats, mask=rows < seq_q, other=0.0)
-            p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
+            if ALIBI:
+                slope = gl.load(
+                    alibi_ptr + slopes_row.to(gl.int64) * stride_alibi_b + (first_head + g) * stride_alibi_h
+                )
+                p_t = gl.exp2(
+                    s_t * qk_scale + _alibi_bias_t(keys, rows + diagonal_offset, slope, CAUSAL) - lse2[None, :]
+                )
+            else:
+                p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
             if MASKED:  # a compile-time test: without a mask no mask code is emitted at all
                 if WINDOW_LEFT:  # the third stage: tiles that the window's left edge cuts
                     cut = (start_m < unmasked_lo) | (start_m >= unmasked_hi)
@@ -483,10 +515,11 @@ def attention_dkdv_hopper(
     attention_dkdv_hopper_kernel[(num_n_blocks * B * Hkv,)](
         tile_descriptor(q, block_m), tile_descriptor(k, block_n), tile_descriptor(v, block_n),
         tile_descriptor(do, block_m), tile_descriptor(dk, block_n), tile_descriptor(dv, block_n), lse2, delta,
-        H, Hkv, H // Hkv, Nq, Nk, num_n_blocks, scale, scale * LOG2E, *modifiers.args[1:3], dk_rows, dv_rows,
-        dk_rows.stride(0), *sequences, lse2 if dq_acc is None else dq_acc, lse2 if dq_locks is None else dq_locks,
-        -(-Nq // block_m), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=D, CAUSAL=causal, NUM_STAGES=num_stages,
+        H, Hkv, H // Hkv, Nq, Nk, num_n_blocks, scale, scale * LOG2E, *modifiers.args[1:3], *modifiers.args[5:8],
+        dk_rows, dv_rows, dk_rows.stride(0), *sequences, lse2 if dq_acc is None else dq_acc,
+        lse2 if dq_locks is None else dq_locks, -(-Nq // block_m),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=D, CAUSAL=causal, NUM_STAGES=num_stages,
         IS_FP16=q.dtype == torch.float16, VARLEN=varlen is not None, WINDOW_LEFT=modifiers.flags["WINDOW_LEFT"],
-        WINDOW_RIGHT=modifiers.flags["WINDOW_RIGHT"], DQ_ATOMIC=dq_acc is not None, DQ_ORDERED=dq_locks is not None,
-        num_warps=num_warps,
+        WINDOW_RIGHT=modifiers.flags["WINDOW_RIGHT"], ALIBI=modifiers.flags["ALIBI"], DQ_ATOMIC=dq_acc is not None,
+        DQ_ORDERED=dq_locks is not None, num_warps=num_warps,
     )  # fmt: skip

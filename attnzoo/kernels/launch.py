@@ -567,14 +567,20 @@ _GLUON_SCOPES = {
         fp8_head_dims=((64, 64), (128, 128)),
         plain_head_dims=((256, 256),),
     ),
-    # Its windows: tests/test_gpu_score_modifiers.py::test_gluon_dkdv_applies_sliding_windows.
+    # Its windows and ALiBi: tests/test_gpu_score_modifiers.py::test_gluon_dkdv_applies_sliding_windows and
+    # ::test_gluon_dkdv_applies_alibi.
     KernelVariant.DKDV: GluonScope(
-        "backward_gluon.py", needs_positive_scale=False, extra_tma_operands=("do",), window=True, varlen=True
+        "backward_gluon.py",
+        needs_positive_scale=False,
+        extra_tma_operands=("do",),
+        window=True,
+        alibi=True,
+        varlen=True,
     ),
     # The same kernel with dQ added atomically (the five-product backward): dense calls, checked by
-    # tests/test_gpu.py::test_five_product_backward_matches_the_oracle.
+    # tests/test_gpu.py::test_five_product_backward_matches_the_oracle and the two tests above.
     KernelVariant.ATOMIC_PREPROCESS: GluonScope(
-        "backward_gluon.py", needs_positive_scale=False, extra_tma_operands=("do",), window=True
+        "backward_gluon.py", needs_positive_scale=False, extra_tma_operands=("do",), window=True, alibi=True
     ),
 }
 _GLUON_SCOPES[KernelVariant.ATOMIC_ORDERED] = _GLUON_SCOPES[KernelVariant.ATOMIC_PREPROCESS]
