@@ -225,6 +225,15 @@ def test_a_window_through_tensor_descriptors_equals_pointer_loads():
         assert torch.equal(with_descriptors, with_pointers)
 
 
+# Every variant with a Gluon kernel (the five-product backward's two share the dK/dV kernel's).
+GLUON_VARIANTS = [
+    KernelVariant.FORWARD,
+    KernelVariant.DKDV,
+    KernelVariant.ATOMIC_PREPROCESS,
+    KernelVariant.ATOMIC_ORDERED,
+]
+
+
 @pytest.mark.parametrize(
     "modifier,field,reason",
     [
@@ -234,7 +243,7 @@ def test_a_window_through_tensor_descriptors_equals_pointer_loads():
         (dict(alibi_slopes=torch.full((2,), 0.5)), "alibi", "alibi"),
     ],
 )
-@pytest.mark.parametrize("variant", [KernelVariant.FORWARD, KernelVariant.DKDV])
+@pytest.mark.parametrize("variant", GLUON_VARIANTS)
 def test_the_gluon_scopes_name_the_modifiers_their_kernels_lack(variant, modifier, field, reason):
     """A call with a modifier a Gluon kernel does not apply runs the Triton kernel with the same tiles (the tuner then
     drops the ``gluon`` twin): its scope names the modifier; one the kernel applies is not named."""
@@ -248,7 +257,7 @@ def test_the_gluon_scopes_name_the_modifiers_their_kernels_lack(variant, modifie
     assert scope.modifier_reasons(prepare(q, k, k, validate_forward(q, k, k)).modifiers) == []
 
 
-@pytest.mark.parametrize("variant", [KernelVariant.FORWARD, KernelVariant.DKDV])
+@pytest.mark.parametrize("variant", [KernelVariant.FORWARD, KernelVariant.DKDV, KernelVariant.ATOMIC_PREPROCESS])
 def test_the_gluon_scopes_take_the_head_dims_their_kernels_were_checked_with(variant):
     """D = Dv = 64 and 128 run both Gluon kernels, and D = 192 with Dv = 128 (in two column parts) and D = Dv = 256
     the forward's; other pairs do not, and the reason names them."""
