@@ -227,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--modifiers",
         default="",
-        help="comma list of window, softcap, alibi, varlen (the GPU's fp16/bf16 form; varlen: also the Gluon forward)",
+        help=(
+            "comma list of window, softcap, alibi, varlen (the GPU's fp16/bf16 form; varlen: also the Gluon forward); "
+            "dq_atomic, dq_ordered: the Gluon dK/dV kernel as the five-product backward"
+        ),
     )
     args = parser.parse_args(argv)
     modifiers = frozenset(filter(None, args.modifiers.split(",")))

@@ -4,10 +4,10 @@ every candidate config of every kernel on a windowed, soft-capped ALiBi call; th
 
 Shapes are small enough for the CPU float64 oracle, which judges by SPEC.md's rule (as ``test_gpu.py``'s small
 checks do).  The Gluon forward applies windows, the soft cap and ALiBi, and takes a head dim in two column parts
-(D = 192 with Dv = 128): tests below call it directly.  The Gluon dK/dV kernel applies sliding windows and ALiBi
-(checked below with each of its configs pinned, in the two-kernel and the five-product backwards); with the soft cap
-its ``gluon`` configs run the Triton kernel with the same tiles (``GluonScope.modifier_reasons``), which the candidate
-test checks too.
+(D = 192 with Dv = 128): tests below call it directly.  The Gluon dK/dV kernel applies sliding windows, the soft cap
+and ALiBi (checked below with each of its configs pinned, in the two-kernel and the five-product backwards); with
+seqlens_k its ``gluon`` configs run the Triton kernel with the same tiles (``GluonScope.not_supported_reasons``),
+which the candidate test checks.
 """
 
 from __future__ import annotations
@@ -143,30 +143,35 @@ def test_gluon_dkdv_applies_sliding_windows(backward, cfg, dtype):
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
 
-# (B, H, Hkv, Nq, Nk, D, causal, window, slopes): causal and not, slopes per head and per (batch, head) with grouped
-# query heads (each head of a group its own slope), Nq != Nk both ways, tails, a window beside ALiBi.
-GLUON_DKDV_ALIBI = [
-    (2, 4, 2, 300, 300, 128, True, None, "heads"),
-    (2, 4, 1, 200, 333, 64, False, None, "batch-heads"),
-    (1, 2, 2, 333, 200, 128, True, None, "batch-heads"),
-    (2, 2, 1, 257, 190, 64, False, (40, 25), "heads"),
-    (1, 4, 2, 190, 230, 128, True, (60, 0), "batch-heads"),
+# (B, H, Hkv, Nq, Nk, D, causal, window, softcap, slopes): causal and not, slopes per head and per (batch, head)
+# with grouped query heads (each head of a group its own slope), Nq != Nk both ways, tails, soft caps small enough to
+# bend most scores, a window beside them.
+GLUON_DKDV_MODIFIERS = [
+    (2, 4, 2, 300, 300, 128, True, None, 0.0, "heads"),
+    (2, 4, 1, 200, 333, 64, False, None, 0.0, "batch-heads"),
+    (1, 2, 2, 333, 200, 128, True, None, 0.0, "batch-heads"),
+    (2, 2, 1, 257, 190, 64, False, (40, 25), 0.0, "heads"),
+    (1, 4, 2, 190, 230, 128, True, (60, 0), 0.0, "batch-heads"),
+    (2, 4, 2, 300, 300, 128, True, None, 2.0, None),
+    (1, 4, 1, 200, 333, 64, False, None, 5.0, None),
+    (2, 2, 2, 257, 190, 128, False, (40, 25), 3.0, "batch-heads"),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("cfg", [c for c in CANDIDATES["dkdv"] if c.gluon], ids=str)
 @pytest.mark.parametrize("backward", GLUON_DKDV_BACKWARDS)
-def test_gluon_dkdv_applies_alibi(backward, cfg, dtype):
-    """The Gluon dK/dV kernel, pinned, on ALiBi calls (alone and with a window) in the two-kernel and the
-    five-product backwards: all five outputs within SPEC.md's bound of the float64 oracle, every element written."""
+def test_gluon_dkdv_applies_alibi_and_the_soft_cap(backward, cfg, dtype):
+    """The Gluon dK/dV kernel, pinned, on ALiBi and soft-capped calls (alone, together and with a window) in the
+    two-kernel and the five-product backwards: all five outputs within SPEC.md's bound of the float64 oracle, every
+    element written."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels need an sm_90 GPU")
     name, options, kernel, variant = GLUON_DKDV_BACKWARDS[backward]
     backend = attnzoo.get(name, configs={kernel: cfg}, **options)
-    for B, H, Hkv, Nq, Nk, D, causal, window, alibi in GLUON_DKDV_ALIBI:
+    for B, H, Hkv, Nq, Nk, D, causal, window, softcap, alibi in GLUON_DKDV_MODIFIERS:
         q, k, v, do, _, slopes = _make(B, H, Hkv, Nq, Nk, D, D, dtype, alibi=alibi, seed=Nq + Nk)
-        kw = dict(causal=causal, window=window, alibi_slopes=slopes)
+        kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=slopes)
         call = prepare(q, k, v, validate_forward(q, k, v, **kw))
         reasons = call.gluon_reasons(variant, do)
         assert not reasons, reasons

@@ -415,6 +415,8 @@ def test_atomic_deterministic_option():
         TritonAtomic(delta="recompute", deterministic=True)
     with pytest.raises(TypeError, match="deterministic"):
         TritonAtomic(deterministic="yes")
+    with pytest.raises(ValueError, match="deterministic=True with configs"):  # the Triton kernel has no fixed order
+        TritonAtomic(deterministic=True, configs={"atomic": "128x64 w8 s2"})
     q, k, v, do, _ = _inputs(1, 2, 1, 40, 40, 16, None, seed=4)
     o, lse = ordered.forward(q, k, v, causal=True)
     grads = ordered.backward(do, q, k, v, o, lse, causal=True)

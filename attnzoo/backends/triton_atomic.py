@@ -74,6 +74,12 @@ class TritonAtomic(TritonBackend):
         if deterministic and delta != "preprocess":
             raise ValueError("deterministic=True needs delta='preprocess' (the ordered dQ is the Hopper kernel's)")
         super().__init__(configs)
+        pinned = self.configs.get("atomic") if self.configs else None
+        if deterministic and pinned is not None and not pinned.gluon:
+            raise ValueError(
+                f"deterministic=True with configs['atomic'] = {str(pinned)!r}: the ordered dQ additions are the Gluon "
+                "kernel's (pin a 'gluon' config or none)"
+            )
         self.delta = delta
         self.deterministic = deterministic
         if deterministic:

@@ -11,6 +11,10 @@ registers and written once, and the tile's dK/dV contributions added into float3
 with atomics.  Query heads of a group add into the same K/V rows, so the group sum comes for free.  The float32
 sums are cast to the input dtype at the end.  The order of the atomic additions varies from run to run, so
 dK/dV are not bitwise reproducible.
+
+On Hopper the ``gluon`` configs of the same variant run the five-product backward instead: the K/V-stationary Gluon
+kernel of ``backward_gluon.py`` (``DQ_ATOMIC``) writes dK/dV and adds dQ atomically, optionally in a fixed order
+(``ordered``, ``triton_atomic(deterministic=True)``).
 """
 
 from __future__ import annotations
@@ -45,7 +49,6 @@ from .tuning import INTERPRETER_CONFIG
 
 DELTA_MODES = ("recompute", "preprocess")
 PREPROCESS_BLOCK_M = 64
-GLUON_BLOCK_M = 64  # the Q tile of every ``gluon`` config of the "atomic" kernel (tuning.CANDIDATES)
 
 
 # Sizes vary per call: no per-value specialisation (one compiled kernel per tile shape, dtype and flags).
@@ -311,12 +314,12 @@ def attention_backward_atomic(
     "preprocess", calls in ``KernelVariant.ATOMIC_PREPROCESS.gluon_scope`` may run a ``gluon`` config: the
     K/V-stationary Gluon kernel of ``backward_gluon.py`` writing dK/dV and adding dQ atomically (five products per
     tile).  ``ordered``: that kernel with the dQ additions in a fixed order (bitwise reproducible); outside its scope
-    the two-kernel backward, which is reproducible too.
+    (or where it does not compile) the two-kernel backward, which is reproducible too.
     """
     if delta_mode not in DELTA_MODES:
         raise ValueError(f"delta must be one of {DELTA_MODES}, got {delta_mode!r}")
     q, k, v = call.q, call.k, call.v
-    H, D = call.problem.heads, call.problem.head_dim
+    B, H, D = q.shape[0], call.problem.heads, call.problem.head_dim
     Nq, Nk = call.seqlen_q, call.seqlen_k  # packed: total_q, total_k
     lse = lse.contiguous()
     do, o = int32_addressable(do), int32_addressable(o)
@@ -332,31 +335,46 @@ def attention_backward_atomic(
         delta, lse2 = _placeholder(q.device), None  # not read
     else:
         delta, lse2 = compute_delta(call, o, do, lse if hopper else None)
-    dq = call.new_output(q.shape, q.dtype)
     modifiers = call.modifiers
-    gluon_ran = False
+    # The last launch's dq, dk, dv in the inputs' dtypes (the float32 sums cast: part of each path's cost when the
+    # tuner times them).  Buffers are made by the first launch that needs them, and each launch zeroes the sums it
+    # adds into first (autotuning trials included).
+    buffers: dict[str, torch.Tensor] = {}
+    result: list[tuple] = []
+
+    def buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype, zeroed: bool = False) -> torch.Tensor:
+        # Outputs come from call.new_output (NaN-filled under the tests: an unwritten element fails them); sums and
+        # locks are zeroed here.
+        if name not in buffers or buffers[name].shape != shape:
+            if zeroed:
+                buffers[name] = torch.empty(shape, dtype=dtype, device=q.device)
+            else:
+                buffers[name] = call.new_output(shape, dtype)
+        return buffers[name].zero_() if zeroed else buffers[name]
 
     def launch(cfg) -> None:
-        # Each launch zeroes the float32 sums it adds into first (autotuning trials included).
-        nonlocal gluon_ran
+        result.clear()
         if cfg.gluon and hopper:
             try:
-                dq_acc.zero_()
-                if dq_locks is not None:
-                    dq_locks.zero_()
+                # Rows padded to whole Q tiles: the padding rows take the zero shares of TMA's zero rows, and the
+                # additions need no row mask.
+                tiles = num_blocks(Nq, cfg.block_m)
+                dq_acc = buffer("dq_acc", (B, H, tiles * cfg.block_m, D), torch.float32, zeroed=True)
+                dq_locks = buffer("dq_locks", (B, H, tiles), torch.int32, zeroed=True) if ordered else None
+                dk, dv = buffer("dk", k.shape, q.dtype), buffer("dv", v.shape, q.dtype)
                 attention_dkdv_hopper(
                     q, k, v, do, lse2, delta, dk, dv, call.scale, call.causal, modifiers,
                     cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, dq_acc=dq_acc, dq_locks=dq_locks,
                 )  # fmt: skip
-                gluon_ran = True
+                result.append((dq_acc[:, :, :Nq].to(q.dtype), dk, dv))
                 return
             except CompilationError as error:  # Gluon's API drifted (frontend error): the Triton kernel serves
+                record_compile_failure(error)
                 if ordered:
                     raise
-                record_compile_failure(error)
-        gluon_ran = False
-        dk_acc.zero_()
-        dv_acc.zero_()
+        dq = buffer("dq", q.shape, q.dtype)
+        dk_acc = buffer("dk_acc", k.shape, torch.float32, zeroed=True)
+        dv_acc = buffer("dv_acc", v.shape, torch.float32, zeroed=True)
         num_m_blocks = call.q_slots(cfg.block_m)
         programs = call.q_programs(cfg.block_m)
         atomic_backward_kernel[grid_1d(programs)](
@@ -369,18 +387,10 @@ def attention_backward_atomic(
             MASK_STAGE=call.mask_stage_needed(cfg.block_n), DOT_PRECISION=call.dot_precision, DEBUG=call.debug,
             **modifiers.flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
+        result.append((dq, dk_acc.to(q.dtype), dv_acc.to(v.dtype)))
 
-    # The Triton kernel's float32 dK/dV sums; the Gluon kernel's float32 dQ sum (and its locks), dK and dV.
-    dk_acc = torch.empty(k.shape, dtype=torch.float32, device=q.device)
-    dv_acc = torch.empty(v.shape, dtype=torch.float32, device=q.device)
-    if hopper:
-        # Rows padded to whole Q tiles (the Gluon configs' BLOCK_M = 64): the padding rows take the zero shares of
-        # TMA's zero rows, and the additions need no row mask.
-        B, tiles = q.shape[0], num_blocks(Nq, GLUON_BLOCK_M)
-        dq_acc = torch.empty((B, H, tiles * GLUON_BLOCK_M, D), dtype=torch.float32, device=q.device)
-        dq_locks = torch.empty((B, H, tiles), dtype=torch.int32, device=q.device) if ordered else None
-        dk, dv = call.new_output(k.shape, q.dtype), call.new_output(v.shape, q.dtype)
-    run(call, variant, launch, gluon_in_scope=hopper)
-    if gluon_ran:
-        return dq_acc[:, :, :Nq].to(q.dtype), dk, dv
-    return dq, dk_acc.to(q.dtype), dv_acc.to(v.dtype)
+    try:
+        run(call, variant, launch, gluon_in_scope=hopper)
+    except CompilationError:  # (recorded) the ordered additions have no Triton twin
+        return attention_backward_2kernel(call, do, o, lse)
+    return result[0]

@@ -28,8 +28,8 @@ lse2 loads as +inf), and K/V rows past Nk give gradient rows that the TMA store 
 diagonal and the window's edges apply a mask.  On the H100 the whole backward ran 1.02-1.07x faster than with the
 best Triton dK/dV tile at D=128 and 0.84-0.96x at D=64 (fp16; the autotuner chooses; docs/design.md).
 
-Scope (``KernelVariant.DKDV.gluon_scope`` in ``launch.py``): D = 64 or 128, sliding windows and ALiBi but not the
-soft cap (it runs the Triton kernel), dO addressable by TMA.  ``seqlens_k`` is out of it: K/V rows past
+Scope (``KernelVariant.DKDV.gluon_scope`` in ``launch.py``): D = 64 or 128, sliding windows, the soft cap and ALiBi,
+dO addressable by TMA.  ``seqlens_k`` is out of it: K/V rows past
 ``seqlens_k[b]`` may hold NaN, which ``dP^T`` would carry into dK rows that must be 0.
 
 With DQ_ATOMIC the same kernel is the five-product backward (``triton_atomic`` on Hopper): it also adds each Q
@@ -131,9 +131,10 @@ if gluon is not None:
         after_predecessor, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, DQ_ORDERED: gl.constexpr,
         FIRST_PART: gl.constexpr, LAST_PART: gl.constexpr,
     ):  # fmt: skip
-        """Add this K/V block's share ``[BLOCK_M, BLOCK_D]`` (a ``wgmma`` accumulator, scaled) of the dQ of the Q
-        tile at ``start_m`` of ``head`` into the float32 ``[B, H, Nq, D]`` accumulator; rows past ``seqlen_q`` (the
-        TMA box's zero padding) are not added.
+        """Add this K/V block's share (a ``wgmma`` accumulator of ``BLOCK_M`` rows and some of the ``BLOCK_D``
+        columns, scaled; ``dq_acc_ptr`` points at its first column) of the dQ of the Q tile at ``start_m`` of
+        ``head`` into the float32 ``[B, H, padded_q, BLOCK_D]`` accumulator.  Its rows past Nq are the TMA box's zero
+        rows, whose shares are 0: the padded accumulator takes them unmasked.
 
         A thread holds pairs of adjacent columns of the accumulator: one ``red.global.add.v2.f32`` (sm_90) adds a
         pair and returns nothing, its address formed inside the asm from the tile's base and a 32-bit offset.
@@ -188,6 +189,8 @@ if gluon is not None:
         qk_scale,
         window_left,
         window_right,
+        cap_in,
+        cap_out,
         alibi_ptr,
         stride_alibi_b,
         stride_alibi_h,
@@ -210,6 +213,7 @@ if gluon is not None:
         VARLEN: gl.constexpr,
         WINDOW_LEFT: gl.constexpr,
         WINDOW_RIGHT: gl.constexpr,
+        SOFTCAP: gl.constexpr,
         ALIBI: gl.constexpr,
         DQ_ATOMIC: gl.constexpr,
         DQ_ORDERED: gl.constexpr,
@@ -374,15 +378,18 @@ if gluon is not None:
             # wgmma groups complete in order: one outstanding means S^T is done and dP^T may still run.
             s_t = warpgroup_mma_wait(1, deps=(s_t,))
             delta = gl.load(delta_ptr + stats, mask=rows < seq_q, other=0.0)
+            s2 = s_t * qk_scale  # base-2 scores
+            if SOFTCAP:  # c tanh(s / c) (in base 2), tanh kept for its derivative 1 - tanh^2 in dS
+                tanh = gl.inline_asm_elementwise(
+                    "tanh.approx.f32 $0, $1;", "=r,r", [s2 * cap_in], dtype=gl.float32, is_pure=True, pack=1
+                )
+                s2 = cap_out * tanh
             if ALIBI:
                 slope = gl.load(
                     alibi_ptr + slopes_row.to(gl.int64) * stride_alibi_b + (first_head + g) * stride_alibi_h
                 )
-                p_t = gl.exp2(
-                    s_t * qk_scale + _alibi_bias_t(keys, rows + diagonal_offset, slope, CAUSAL) - lse2[None, :]
-                )
-            else:
-                p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
+                s2 = s2 + _alibi_bias_t(keys, rows + diagonal_offset, slope, CAUSAL)
+            p_t = gl.exp2(s2 - lse2[None, :])
             if MASKED:  # a compile-time test: without a mask no mask code is emitted at all
                 if WINDOW_LEFT:  # the third stage: tiles that the window's left edge cuts
                     cut = (start_m < unmasked_lo) | (start_m >= unmasked_hi)
@@ -393,10 +400,18 @@ if gluon is not None:
                         keys, rows, diagonal_offset, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT
                     )  # fmt: skip
                     p_t = gl.where(visible, p_t, 0.0)
+            if DQ_ATOMIC:  # noqa: SIM102 - a compile-time branch around a runtime one
+                if start_n + BLOCK_N > seq_k:
+                    # The keys past Nk (TMA's zero rows: s = 0, dP = 0) were not masked, which only dK/dV rows that
+                    # the store drops saw; their dS^T = -P Delta feeds dQ here, and P = exp2(-lse2) overflows the
+                    # 16-bit dS^T (inf * 0 = NaN) where a row's scores are all very negative.
+                    p_t = gl.where((keys < seq_k)[:, None], p_t, 0.0)
             p_op = gl.convert_layout(p_t.to(DTYPE), operand_layout)
             dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
             dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
             ds_t = p_t * (dp_t - delta[None, :])
+            if SOFTCAP:
+                ds_t = ds_t * (1.0 - tanh * tanh)
             if DQ_ATOMIC:
                 # dK and dQ both read dS^T from shared memory (fewer registers live than with dK's operand in
                 # registers: 64 x 128 tiles at D = 128 fit 255 registers only so).
@@ -510,16 +525,19 @@ def attention_dkdv_hopper(
     padded = (B, H, -(-Nq // block_m) * block_m, D) if varlen is None else None
     if dq_acc is not None and (varlen is not None or not dq_acc.is_contiguous() or tuple(dq_acc.shape) != padded):
         raise ValueError(f"dq_acc must be a contiguous {padded} tensor (Nq rounded up to block_m) of a dense call")
+    if dq_locks is not None and (dq_acc is None or tuple(dq_locks.shape) != (*padded[:2], padded[2] // block_m)):
+        raise ValueError(f"dq_locks must be an int32 [B, H, Nq / block_m] tensor beside dq_acc {padded}")
     # Packed: slots per kv head (common.kv_block_opening), at most one idle slot per sequence.
     num_n_blocks = -(-Nk // block_n) if varlen is None else Nk // block_n + varlen[2]
     attention_dkdv_hopper_kernel[(num_n_blocks * B * Hkv,)](
         tile_descriptor(q, block_m), tile_descriptor(k, block_n), tile_descriptor(v, block_n),
         tile_descriptor(do, block_m), tile_descriptor(dk, block_n), tile_descriptor(dv, block_n), lse2, delta,
-        H, Hkv, H // Hkv, Nq, Nk, num_n_blocks, scale, scale * LOG2E, *modifiers.args[1:3], *modifiers.args[5:8],
+        H, Hkv, H // Hkv, Nq, Nk, num_n_blocks, scale, scale * LOG2E, *modifiers.args[1:8],
         dk_rows, dv_rows, dk_rows.stride(0), *sequences, lse2 if dq_acc is None else dq_acc,
         lse2 if dq_locks is None else dq_locks, -(-Nq // block_m),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=D, CAUSAL=causal, NUM_STAGES=num_stages,
         IS_FP16=q.dtype == torch.float16, VARLEN=varlen is not None, WINDOW_LEFT=modifiers.flags["WINDOW_LEFT"],
-        WINDOW_RIGHT=modifiers.flags["WINDOW_RIGHT"], ALIBI=modifiers.flags["ALIBI"], DQ_ATOMIC=dq_acc is not None,
+        WINDOW_RIGHT=modifiers.flags["WINDOW_RIGHT"],
+        SOFTCAP=modifiers.flags["SOFTCAP"] != 0, ALIBI=modifiers.flags["ALIBI"], DQ_ATOMIC=dq_acc is not None,
         DQ_ORDERED=dq_locks is not None, num_warps=num_warps,
     )  # fmt: skip

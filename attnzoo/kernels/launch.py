@@ -138,7 +138,9 @@ class KernelVariant(enum.Enum):
     FORWARD = "forward"
     DQ = "dq"  # the Q-stationary dQ kernel, which also writes Delta and lse in base 2
     DKDV = "dkdv"  # the K/V-stationary dK/dV kernel
-    ATOMIC_PREPROCESS = "atomic:preprocess"  # Q-stationary atomic backward, Delta from the preprocess kernel
+    # The atomic backward with Delta from the preprocess kernel: the Q-stationary Triton kernel (atomic dK/dV) or, for
+    # its gluon configs on Hopper, the five-product Gluon kernel (atomic dQ).
+    ATOMIC_PREPROCESS = "atomic:preprocess"
     ATOMIC_RECOMPUTE = "atomic:recompute"  # the same with Delta recomputed by a first pass over K/V
     # The atomic backward's Hopper path with its dQ shares added in a fixed order (its Gluon configs only).
     ATOMIC_ORDERED = "atomic:ordered"
@@ -567,20 +569,26 @@ _GLUON_SCOPES = {
         fp8_head_dims=((64, 64), (128, 128)),
         plain_head_dims=((256, 256),),
     ),
-    # Its windows and ALiBi: tests/test_gpu_score_modifiers.py::test_gluon_dkdv_applies_sliding_windows and
-    # ::test_gluon_dkdv_applies_alibi.
+    # Its windows, soft cap and ALiBi: tests/test_gpu_score_modifiers.py::test_gluon_dkdv_applies_sliding_windows
+    # and ::test_gluon_dkdv_applies_alibi_and_the_soft_cap.
     KernelVariant.DKDV: GluonScope(
         "backward_gluon.py",
         needs_positive_scale=False,
         extra_tma_operands=("do",),
         window=True,
+        softcap=True,
         alibi=True,
         varlen=True,
     ),
     # The same kernel with dQ added atomically (the five-product backward): dense calls, checked by
     # tests/test_gpu.py::test_five_product_backward_matches_the_oracle and the two tests above.
     KernelVariant.ATOMIC_PREPROCESS: GluonScope(
-        "backward_gluon.py", needs_positive_scale=False, extra_tma_operands=("do",), window=True, alibi=True
+        "backward_gluon.py",
+        needs_positive_scale=False,
+        extra_tma_operands=("do",),
+        window=True,
+        softcap=True,
+        alibi=True,
     ),
 }
 _GLUON_SCOPES[KernelVariant.ATOMIC_ORDERED] = _GLUON_SCOPES[KernelVariant.ATOMIC_PREPROCESS]

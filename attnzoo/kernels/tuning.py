@@ -56,7 +56,7 @@ class KernelConfig:
 
     tma (forward and dQ kernel): load the K/V tiles of the unmasked stage through tensor descriptors (Hopper's
     TMA copy engine) where the inputs allow it (``launch.descriptor_loads_possible``), else through pointers.
-    gluon (forward, dK/dV kernel): run the Gluon Hopper kernel (``forward_gluon.py``, ``backward_gluon.py``;
+    gluon (forward, dK/dV and atomic kernels): run the Gluon Hopper kernel (``forward_gluon.py``, ``backward_gluon.py``;
     NUM_STAGES = num_stages) where the call is in its scope (``KernelVariant.gluon_scope``), else the Triton kernel
     with the same tiles.  persistent (with gluon, 128-row forward tiles): one program per SM runs Q blocks in turn.
     ``str(cfg)`` reads ``"128x64 w8 s3 tma"``; :meth:`parse` reads it back.
@@ -204,7 +204,8 @@ def shared_memory_estimate(
     if kernel == "forward":  # Q resident, K and V streamed.
         return itemsize * (block_d * (m + n * s) + dv * n * s)
     if kernel == "dkdv" or (kernel == "atomic" and cfg.gluon):
-        # K, V resident; Q and dO streamed; P^T and dS^T staged for the dots (the Gluon kernel stages dS^T only).
+        # K, V resident; Q and dO streamed; P^T and dS^T staged for the dots (the Gluon kernel stages dS^T only: an
+        # over-estimate for it by one tile).
         return itemsize * ((block_d + dv) * (n + m * s) + 2 * m * n)
     # dq, atomic: Q and dO resident; K and V streamed; dS (and P^T) staged for the dots.
     return itemsize * ((block_d + dv) * (m + n * s) + 2 * m * n)
