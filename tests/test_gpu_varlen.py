@@ -155,9 +155,9 @@ def test_gluon_forward_on_packed_batches(forward, dtype, case):
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
 
-# Every case in the Gluon dK/dV kernel's scope (D = 64 or 128, sliding windows and ALiBi): key blocks cut by a
-# sequence's end at 1, 63-65 and 127-129 keys, Q tiles cut likewise, empty sequences, Nq != Nk, GQA, a heads-major
-# layout, a causal window, ALiBi slopes per (sequence, head).
+# Every case in the Gluon dK/dV kernel's scope (D = 64 or 128, sliding windows, the soft cap and ALiBi): key blocks
+# cut by a sequence's end at 1, 63-65 and 127-129 keys, Q tiles cut likewise, empty sequences, Nq != Nk, GQA, a
+# heads-major layout, a causal window, ALiBi slopes per (sequence, head), all three modifiers together.
 GLUON_DKDV_CASES = {
     "causal-d128": GLUON_CASES["causal"],
     "full-d64-gqa": VarlenCase(
@@ -173,6 +173,7 @@ GLUON_DKDV_CASES = {
     "alibi-d64-gqa": VarlenCase(
         (200, 65, 1), (190, 64, 129), 4, 2, 64, 64, True, None, 0.0, "batch-heads", F16, "contiguous", None, 9
     ),
+    "window-softcap-alibi-d64": GLUON_CASES["window-softcap-alibi"],
 }  # fmt: skip
 
 

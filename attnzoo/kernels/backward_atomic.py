@@ -319,7 +319,7 @@ def attention_backward_atomic(
     if delta_mode not in DELTA_MODES:
         raise ValueError(f"delta must be one of {DELTA_MODES}, got {delta_mode!r}")
     q, k, v = call.q, call.k, call.v
-    B, H, D = q.shape[0], call.problem.heads, call.problem.head_dim
+    B, H, D = q.shape[0], call.problem.heads, call.problem.head_dim  # (B: dense calls' only, as the Gluon path)
     Nq, Nk = call.seqlen_q, call.seqlen_k  # packed: total_q, total_k
     lse = lse.contiguous()
     do, o = int32_addressable(do), int32_addressable(o)
@@ -354,6 +354,8 @@ def attention_backward_atomic(
 
     def launch(cfg) -> None:
         result.clear()
+        if ordered and not cfg.gluon:
+            raise ValueError(f"ordered dQ additions: {cfg} is not a gluon config (the Triton kernel has no order)")
         if cfg.gluon and hopper:
             try:
                 # Rows padded to whole Q tiles: the padding rows take the zero shares of TMA's zero rows, and the
@@ -391,6 +393,8 @@ def attention_backward_atomic(
 
     try:
         run(call, variant, launch, gluon_in_scope=hopper)
-    except CompilationError:  # (recorded) the ordered additions have no Triton twin
-        return attention_backward_2kernel(call, do, o, lse)
+    except CompilationError:
+        if not ordered:
+            raise
+        return attention_backward_2kernel(call, do, o, lse)  # (recorded) the ordered additions have no Triton twin
     return result[0]

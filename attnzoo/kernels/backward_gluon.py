@@ -24,7 +24,8 @@ CTA-wide barrier at the end of the iteration).  lse2 (lse in base 2, +inf for an
 dQ kernel, which runs first.
 
 Padding needs no predicate: TMA reads zeros for Q and dO rows past Nq, so those rows contribute nothing (and their
-lse2 loads as +inf), and K/V rows past Nk give gradient rows that the TMA store drops.  Only the tiles on the causal
+lse2 loads as +inf), and K/V rows past Nk give gradient rows that the TMA store drops (with DQ_ATOMIC their dQ shares
+are masked: see the kernel).  Only the tiles on the causal
 diagonal and the window's edges apply a mask.  On the H100 the whole backward ran 1.02-1.07x faster than with the
 best Triton dK/dV tile at D=128 and 0.84-0.96x at D=64 (fp16; the autotuner chooses; docs/design.md).
 
@@ -97,7 +98,8 @@ if gluon is not None:
     def _visible_t(keys, rows, diagonal_offset, window_left, window_right,
                    CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr):  # fmt: skip
         """Whether key ``keys[n]`` is visible to row ``rows[m]``, as a ``[BLOCK_N, BLOCK_M]`` tile: the transposed
-        ``common.key_visible`` without its ``Nk`` test (a key past Nk has a dK/dV row that the store drops).  At
+        ``common.key_visible`` without its ``Nk`` test (a key past Nk has a dK/dV row that the store drops; the
+        five-product build masks those keys itself).  At
         least one flag is set."""
         positions = rows[None, :] + diagonal_offset  # each row's position among the keys
         if CAUSAL:
@@ -231,7 +233,10 @@ if gluon is not None:
 
         WINDOW_LEFT/WINDOW_RIGHT: the sliding window's bounds (``ScoreModifiers``: ``window_left``/``window_right``,
         read only under their flags); the loop runs over the Q tiles that see some key of the block, and the tiles
-        that the window's edges or the causal diagonal cut take the mask (``_visible_t``).  ALIBI: the slopes
+        that the window's edges or the causal diagonal cut take the mask (``_visible_t``).  SOFTCAP: scores become
+        ``c tanh(s / c)`` (base 2: ``cap_out * tanh(s2 * cap_in)``, ``ScoreModifiers``; always ``tanh.approx.f32``,
+        the form the Triton kernels use for the 16-bit dtypes, the only ones in scope) and dS takes the factor
+        ``1 - tanh^2``.  ALIBI: the slopes
         ``alibi_ptr`` float32 ``[B, H]`` (strides given; a packed batch's rows are its sequences) add
         ``-slope |i' - j|`` to each score before the exponential (``_alibi_bias_t``); the gradients' formulas are
         unchanged (the term does not depend on q or k).
@@ -286,8 +291,8 @@ if gluon is not None:
         # Q tiles [lo, unmasked_lo) cross the causal diagonal (or the window's right edge) and [unmasked_hi, hi)
         # its left edge: they need the mask; rows outside [lo, hi) see none of the block's keys.  The same range
         # for every head of the group.  Keys past Nk need no mask here (their dK/dV rows are dropped by the store,
-        # and a row of dK or dV depends on its own key only), so the bounds are those of a whole block: its end is
-        # passed as the key count.
+        # and a row of dK or dV depends on its own key only; DQ_ATOMIC masks them below), so the bounds are those
+        # of a whole block: its end is passed as the key count.
         MASKED: gl.constexpr = CAUSAL or WINDOW_LEFT or WINDOW_RIGHT
         lo, unmasked_lo, unmasked_hi, hi = q_loop_bounds(
             start_n, seq_q, seq_k, start_n + BLOCK_N, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,

@@ -204,8 +204,8 @@ def shared_memory_estimate(
     if kernel == "forward":  # Q resident, K and V streamed.
         return itemsize * (block_d * (m + n * s) + dv * n * s)
     if kernel == "dkdv" or (kernel == "atomic" and cfg.gluon):
-        # K, V resident; Q and dO streamed; P^T and dS^T staged for the dots (the Gluon kernel stages dS^T only: an
-        # over-estimate for it by one tile).
+        # K, V resident; Q and dO streamed; P^T and dS^T staged for the dots (the Gluon kernel keeps both in
+        # registers, and its five-product build stages dS^T only: an over-estimate for them).
         return itemsize * ((block_d + dv) * (n + m * s) + 2 * m * n)
     # dq, atomic: Q and dO resident; K and V streamed; dS (and P^T) staged for the dots.
     return itemsize * ((block_d + dv) * (m + n * s) + 2 * m * n)
