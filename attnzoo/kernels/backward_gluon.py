@@ -75,9 +75,20 @@ if TYPE_CHECKING:
 if gluon is not None:
 
     @gluon.jit
+    def _tile_of(index, lo, tiles_per_head, BLOCK_M: gl.constexpr, DESCENDING: gl.constexpr):
+        """Iteration ``index`` of the loop over the group's query heads and the Q tiles ``[lo, hi)`` of each ->
+        ``(g, start_m)``: head ``first_head + g``, its tile at row ``start_m``; the tiles in descending order with
+        DESCENDING."""
+        g = index // tiles_per_head
+        i = index - g * tiles_per_head
+        if DESCENDING:
+            i = tiles_per_head - 1 - i
+        return g, lo + i * BLOCK_M
+
+    @gluon.jit
     def _load_q_do_tile(
         q_desc, do_desc, bars, q_ring, do_ring, index, n_iters, tiles_per_head, lo, batch, first_head, row_origin,
-        BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+        BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, DESCENDING: gl.constexpr,
     ):  # fmt: skip
         """Start the TMA copies of the Q and dO tiles of iteration ``index`` into their ring slots, both completing
         on the slot's one mbarrier (nothing past the loop's end).
@@ -85,8 +96,8 @@ if gluon is not None:
         The loop runs over the group's query heads, then over the Q tiles ``[lo, hi)`` of each: iteration ``index``
         is tile ``index % tiles_per_head`` of head ``first_head + index // tiles_per_head``.  Its box starts at row
         ``row_origin + start_m`` (a packed sequence's first row, else 0) of ``batch`` (0 for a packed batch)."""
-        g = index // tiles_per_head
-        start_m = row_origin + lo + (index - g * tiles_per_head) * BLOCK_M
+        g, start_m = _tile_of(index, lo, tiles_per_head, BLOCK_M, DESCENDING)
+        start_m += row_origin
         pred = index < n_iters
         slot = index % NUM_STAGES
         bar = bars.index(slot)
@@ -294,6 +305,10 @@ if gluon is not None:
         # and a row of dK or dV depends on its own key only; DQ_ATOMIC masks them below), so the bounds are those
         # of a whole block: its end is passed as the key count.
         MASKED: gl.constexpr = CAUSAL or WINDOW_LEFT or WINDOW_RIGHT
+        # Ordered dQ additions under a causal mask: the Q tiles from the last one down.  Every block of a head then
+        # meets its predecessor on its first tile one step behind it; in ascending order block n's first tile is
+        # block n-1's third (with 128 keys and 64 rows a block), and the waits add up along the blocks.
+        DESCENDING: gl.constexpr = DQ_ORDERED and CAUSAL
         lo, unmasked_lo, unmasked_hi, hi = q_loop_bounds(
             start_n, seq_q, seq_k, start_n + BLOCK_N, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
             BLOCK_M, BLOCK_N,
@@ -342,7 +357,7 @@ if gluon is not None:
         for i in gl.static_range(NUM_STAGES):
             _load_q_do_tile(
                 q_desc, do_desc, q_do_bars, q_ring, do_ring, i, n_iters, tiles_per_head, lo, batch, first_head,
-                q_origin, BLOCK_M, NUM_STAGES,
+                q_origin, BLOCK_M, NUM_STAGES, DESCENDING,
             )  # fmt: skip
         mbarrier.wait(kv_bar, 0)
         k_tile = k_smem.reshape([BLOCK_N, BLOCK_D])
@@ -357,8 +372,7 @@ if gluon is not None:
         dp_t = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
 
         for t in range(n_iters):
-            g = t // tiles_per_head
-            start_m = lo + (t - g * tiles_per_head) * BLOCK_M
+            g, start_m = _tile_of(t, lo, tiles_per_head, BLOCK_M, DESCENDING)
             rows = start_m + local_rows
             # lse2 of this Q tile's rows, loaded before the wait so that its latency hides behind it (Delta, needed
             # later, is loaded after it: fewer registers live at once).  Padding rows: lse2 = +inf gives P = 0.
@@ -447,7 +461,7 @@ if gluon is not None:
             cta_barrier()
             _load_q_do_tile(
                 q_desc, do_desc, q_do_bars, q_ring, do_ring, t + NUM_STAGES, n_iters, tiles_per_head, lo,
-                batch, first_head, q_origin, BLOCK_M, NUM_STAGES,
+                batch, first_head, q_origin, BLOCK_M, NUM_STAGES, DESCENDING,
             )  # fmt: skip
 
         mbarrier.invalidate(kv_bar)
