@@ -212,6 +212,17 @@ def test_persistent_gluon_forward_runs_several_q_blocks_per_program(dtype):
             assert check.ok, f"{dtype} causal={causal} window={window} N={N} D={D}: {name}: {check.message}"
 
 
+def _check_gradients(label: str, q, k, v, do, causal, o, dq, dk, dv) -> str:
+    """dq, dk and dv within SPEC.md's bound of the float64 oracle (stored o's contract term); -> the errors/bounds
+    as a report text.  ``label`` names the case in a failure."""
+    judge = oracle_for(AttentionInputs(q, k, v, do, None), causal, device=CUDA)
+    errors = []
+    for name, check in judge.check({"dq": dq, "dk": dk, "dv": dv}, stored_o=o).items():
+        assert check.ok, f"{label}: {name}: {check.message}"
+        errors.append(f"{name} {check.error:.2e}/{check.bound:.2e}")
+    return " ".join(errors)
+
+
 @pytest.mark.parametrize("cfg", [c for c in CANDIDATES["dkdv"] if c.gluon], ids=str)
 def test_gluon_hopper_dkdv_against_oracle(cfg):
     """Each ``gluon`` dK/dV candidate runs the Gluon kernel on these inputs (not its Triton twin): dk and dv within
@@ -225,15 +236,9 @@ def test_gluon_hopper_dkdv_against_oracle(cfg):
         assert not call.gluon_reasons(KernelVariant.DKDV, do), call.gluon_reasons(KernelVariant.DKDV, do)
         o, lse = attention_forward(call)
         dq, dk, dv = attention_backward_2kernel(call, do, o, lse)
-        judge = oracle_for(AttentionInputs(q, k, v, do, None), causal, device=CUDA)
-        checks = judge.check({"dq": dq, "dk": dk, "dv": dv}, stored_o=o)
-        errors = []
-        for name, check in checks.items():
-            assert check.ok, (
-                f"{cfg} {dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D={D} causal={causal}: {name}: {check.message}"
-            )
-            errors.append(f"{name} {check.error:.2e}/{check.bound:.2e}")
-        _report(f"[gluon dkdv] {cfg} {str(dtype)[6:]} N={Nq}x{Nk} D={D} causal={causal} {layout}: {' '.join(errors)}")
+        label = f"{cfg} {dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D={D} causal={causal}"
+        errors = _check_gradients(label, q, k, v, do, causal, o, dq, dk, dv)
+        _report(f"[gluon dkdv] {cfg} {str(dtype)[6:]} N={Nq}x{Nk} D={D} causal={causal} {layout}: {errors}")
 
 
 @pytest.mark.parametrize("ordered", [False, True], ids=["atomic-dq", "ordered-dq"])
@@ -251,18 +256,9 @@ def test_five_product_backward_matches_the_oracle(cfg, ordered):
         assert not call.gluon_reasons(variant, do), call.gluon_reasons(variant, do)
         o, lse = attention_forward(call)
         dq, dk, dv = attention_backward_atomic(call, do, o, lse, "preprocess", ordered=ordered)
-        judge = oracle_for(AttentionInputs(q, k, v, do, None), causal, device=CUDA)
-        checks = judge.check({"dq": dq, "dk": dk, "dv": dv}, stored_o=o)
-        errors = []
-        for name, check in checks.items():
-            assert check.ok, (
-                f"{cfg} {dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D={D} causal={causal}: {name}: {check.message}"
-            )
-            errors.append(f"{name} {check.error:.2e}/{check.bound:.2e}")
-        _report(
-            f"[five-product ordered={ordered}] {cfg} {str(dtype)[6:]} N={Nq}x{Nk} D={D} causal={causal} {layout}: "
-            + " ".join(errors)
-        )
+        label = f"{cfg} {dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D={D} causal={causal}"
+        errors = _check_gradients(label, q, k, v, do, causal, o, dq, dk, dv)
+        _report(f"[five-product ordered={ordered}] {label} {layout}: {errors}")
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
 
@@ -287,9 +283,7 @@ def test_five_product_backward_with_every_score_far_below_zero(cfg, ordered):
         o, lse = attention_forward(call)
         assert float(lse.max()) < -15.0  # every row's lse far below 0
         dq, dk, dv = attention_backward_atomic(call, do, o, lse, "preprocess", ordered=ordered)
-        judge = oracle_for(AttentionInputs(q, k, v, do, None), False, device=CUDA)
-        for name, check in judge.check({"dq": dq, "dk": dk, "dv": dv}, stored_o=o).items():
-            assert check.ok, f"{cfg} D={D}: {name}: {check.message}"
+        _check_gradients(f"{cfg} D={D}", q, k, v, do, False, o, dq, dk, dv)
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
 

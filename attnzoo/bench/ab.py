@@ -36,6 +36,7 @@ import attnzoo
 from .. import cli
 from . import impls as impl_registry
 from . import timing
+from .plot import _pyplot
 from .run import CPU_DEFAULTS, DTYPE_NAMES, DTYPES, GPU_DEFAULTS, Case, make_inputs
 from .schema import backward_flops, forward_flops, parse_lengths, tflops
 
@@ -177,15 +178,22 @@ def summarize(paths: list[str]) -> dict[str, dict[str, tuple[float, float | None
     }
 
 
+def _speedup(first: tuple[float, float | None], this: tuple[float, float | None]) -> float:
+    """The first impl's backward time over this one's, (forward, backward) ms pairs; the forwards' where either has
+    no backward."""
+    (first_fwd, first_bwd), (fwd_ms, bwd_ms) = first, this
+    return first_bwd / bwd_ms if first_bwd and bwd_ms else first_fwd / fwd_ms
+
+
 def summary_table(summary: dict[str, dict[str, tuple[float, float | None]]]) -> str:
     """One block per shape: median forward and backward ms of each impl, and the first impl's backward time over
     its own (the forward's where there is no backward; above 1: faster than the first)."""
     lines = []
     for shape, impls in summary.items():
-        first_fwd, first_bwd = next(iter(impls.values()))
+        first = next(iter(impls.values()))
         lines.append(f"{shape}:")
         for impl, (fwd_ms, bwd_ms) in impls.items():
-            ratio = first_bwd / bwd_ms if first_bwd and bwd_ms else first_fwd / fwd_ms
+            ratio = _speedup(first, (fwd_ms, bwd_ms))
             bwd_text = f"{bwd_ms:9.3f}" if bwd_ms is not None else "        -"
             lines.append(f"  {impl:<40} fwd {fwd_ms:9.3f} ms  bwd {bwd_text} ms  x{ratio:.3f}")
     return "\n".join(lines)
@@ -193,11 +201,7 @@ def summary_table(summary: dict[str, dict[str, tuple[float, float | None]]]) -> 
 
 def plot_summary(summary: dict[str, dict[str, tuple[float, float | None]]], png: str) -> None:
     """Bars per shape: each impl's backward speed relative to the first impl (forward where there is none)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     shapes = list(summary)
     impls = list(dict.fromkeys(impl for row in summary.values() for impl in row))
     width = 0.8 / len(impls)
@@ -205,9 +209,8 @@ def plot_summary(summary: dict[str, dict[str, tuple[float, float | None]]], png:
     for i, impl in enumerate(impls):
         values = []
         for shape in shapes:
-            first_fwd, first_bwd = next(iter(summary[shape].values()))
-            fwd_ms, bwd_ms = summary[shape].get(impl, (float("nan"), None))
-            values.append(first_bwd / bwd_ms if first_bwd and bwd_ms else first_fwd / fwd_ms)
+            first = next(iter(summary[shape].values()))
+            values.append(_speedup(first, summary[shape].get(impl, (float("nan"), None))))
         ax.bar([x + i * width for x in range(len(shapes))], values, width, label=impl)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))], [s.split(" B=")[0] for s in shapes])

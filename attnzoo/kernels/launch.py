@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -580,18 +580,12 @@ _GLUON_SCOPES = {
         alibi=True,
         varlen=True,
     ),
-    # The same kernel with dQ added atomically (the five-product backward): dense calls, checked by
-    # tests/test_gpu.py::test_five_product_backward_matches_the_oracle and the two tests above.
-    KernelVariant.ATOMIC_PREPROCESS: GluonScope(
-        "backward_gluon.py",
-        needs_positive_scale=False,
-        extra_tma_operands=("do",),
-        window=True,
-        softcap=True,
-        alibi=True,
-    ),
 }
-_GLUON_SCOPES[KernelVariant.ATOMIC_ORDERED] = _GLUON_SCOPES[KernelVariant.ATOMIC_PREPROCESS]
+# The same kernel with dQ added atomically (the five-product backward, in any or a fixed order): dense calls, checked
+# by tests/test_gpu.py::test_five_product_backward_matches_the_oracle and the two tests named above.
+_GLUON_SCOPES[KernelVariant.ATOMIC_PREPROCESS] = _GLUON_SCOPES[KernelVariant.ATOMIC_ORDERED] = replace(
+    _GLUON_SCOPES[KernelVariant.DKDV], varlen=False
+)
 
 
 def run(
