@@ -114,7 +114,7 @@ def gluon_source(
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from attnzoo.kernels.backward_gluon import attention_dkdv_hopper_kernel
+    from attnzoo.kernels.backward_gluon import attention_dkdv_hopper_kernel, dq_share_width
     from attnzoo.kernels.forward_gluon import KERNEL_WARPS, attention_forward_hopper_kernel
 
     if kernel_name == "forward":
@@ -145,6 +145,10 @@ def gluon_source(
     for i, name in enumerate(kernel.arg_names):
         if name in flags:
             signature[name], constexprs[(i,)] = "constexpr", flags[name]
+        elif name == "dq_desc":  # the five-product dQ accumulator: float32 boxes of half the head dim
+            box = [1, 1, cfg.block_m, dq_share_width(d)]
+            layout = gl.NVMMASharedLayout.get_default_for(box, gl.float32)
+            signature[name] = f"tensordesc<fp32[{', '.join(map(str, box))}],{layout!r}>"
         elif name.endswith("_desc"):
             rows = q_rows if name in ("q_desc", "q2_desc", "o_desc", "do_desc") else cfg.block_n
             width = {"v_desc": dv, "o_desc": dv, "q2_desc": d_second or d_first, "k2_desc": d_second or d_first}

@@ -63,6 +63,7 @@ from .gluon_hopper import (
     tile_descriptor,
     tma,
     tma_load,
+    tma_reduce_add,
     tma_store,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -140,42 +141,33 @@ if gluon is not None:
 
     @gluon.jit
     def _add_dq_share(
-        share, dq_acc_ptr, dq_locks_ptr, start_m, batch, head, num_heads, padded_q, num_m_tiles, n_block,
-        after_predecessor, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, DQ_ORDERED: gl.constexpr,
-        FIRST_PART: gl.constexpr, LAST_PART: gl.constexpr,
+        dq_desc, dq_staging, dq_locks_ptr, start_m, batch, head, num_heads, num_m_tiles, n_block, after_predecessor,
+        DQ_PARTS: gl.constexpr, DQ_WIDTH: gl.constexpr, DQ_ORDERED: gl.constexpr,
     ):  # fmt: skip
-        """Add this K/V block's share (a ``wgmma`` accumulator of ``BLOCK_M`` rows and some of the ``BLOCK_D``
-        columns, scaled; ``dq_acc_ptr`` points at its first column) of the dQ of the Q tile at ``start_m`` of
-        ``head`` into the float32 ``[B, H, padded_q, BLOCK_D]`` accumulator.  Its rows past Nq are the TMA box's zero
-        rows, whose shares are 0: the padded accumulator takes them unmasked.
-
-        A thread holds pairs of adjacent columns of the accumulator: one ``red.global.add.v2.f32`` (sm_90) adds a
-        pair and returns nothing, its address formed inside the asm from the tile's base and a 32-bit offset.
-        (Triton 3.6 lowers ``atomic_add`` to one ``atom.add.f32`` per element, each returning the old value and each
-        with a 64-bit address in registers, which spilled here.)
+        """Add this K/V block's share of the dQ of the Q tile at ``start_m`` of ``head``, staged in shared memory
+        (``dq_staging``: DQ_PARTS column parts of DQ_WIDTH), into the float32 ``[B, H, padded_q, D]`` accumulator
+        with one TMA reduction per part (``cp.reduce.async.bulk.tensor ... .add.f32``, issued by one thread: the
+        additions take no registers and no instructions of the other threads, and run while the next tile's
+        products do).  The staging buffer is reused only after ``tma.store_wait`` (the reductions have read it).
 
         DQ_ORDERED: when the block before this one also adds into the tile (``after_predecessor``), wait until the
-        tile's lock shows ``n_block``; add; fence, so that the additions are performed before the CTA barrier; set
-        the lock to ``n_block + 1``."""
-        layout: gl.constexpr = share.type.layout
-        local_rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, layout))
-        cols = gl.arange(0, share.type.shape[1], gl.SliceLayout(0, layout))
-        # Offsets within the head's rows, computed here from start_m (not hoisted out of the loop: 16 registers).
-        offsets = (start_m + local_rows)[:, None] * BLOCK_D + cols[None, :]
-        tile = dq_acc_ptr + (batch * num_heads + head).to(gl.int64) * padded_q * BLOCK_D
+        tile's lock shows ``n_block``; add; wait until the reductions are complete (``cp.async.bulk.wait_group 0``,
+        not only read), fence, and set the lock to ``n_block + 1``."""
+        BLOCK_M: gl.constexpr = dq_desc.block_type.shape[2]
         lock = dq_locks_ptr + (batch * num_heads + head).to(gl.int64) * num_m_tiles + start_m // BLOCK_M
-        if DQ_ORDERED and FIRST_PART:
+        if DQ_ORDERED:
             if after_predecessor:
                 while gl.atomic_cas(lock, n_block, n_block, sem="acquire") != n_block:
                     pass
-            cta_barrier()  # no thread adds before the lock showed the predecessor's share in
-        gl.inline_asm_elementwise(
-            "{ .reg .b64 a; mad.wide.s32 a, $2, 4, $6; "
-            "red.global.gpu.relaxed.add.v2.f32 [a], {$4, $5}; mov.b32 $0, 0; mov.b32 $1, 0; }",
-            "=r,=r,r,r,f,f,l,l", [offsets, share, tile.to(gl.int64, bitcast=True)], gl.int32, False, 2,
-        )  # fmt: skip
-        if DQ_ORDERED and LAST_PART:
-            gl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, 0;", "=r,r", [n_block], gl.int32, False, 1)
+            cta_barrier()  # no reduction starts before the lock showed the predecessor's share in
+        for part in gl.static_range(DQ_PARTS):
+            tma_reduce_add(dq_desc, [batch, head, start_m, part * DQ_WIDTH], dq_staging.index(part))
+        if DQ_ORDERED:
+            # The issuing thread waits for its reductions to be performed (the other threads have none), then the
+            # CTA's release of the lock follows them.
+            gl.inline_asm_elementwise(
+                "cp.async.bulk.wait_group 0; fence.acq_rel.gpu; mov.b32 $0, 0;", "=r,r", [n_block], gl.int32, False, 1
+            )  # fmt: skip
             cta_barrier()
             gl.atomic_xchg(lock, n_block + 1, sem="release")
 
@@ -214,7 +206,7 @@ if gluon is not None:
         cu_seqlens_k,
         num_sequences,
         search_steps,
-        dq_acc_ptr,
+        dq_desc,
         dq_locks_ptr,
         num_m_tiles,
         BLOCK_M: gl.constexpr,
@@ -253,13 +245,14 @@ if gluon is not None:
         unchanged (the term does not depend on q or k).
 
         DQ_ATOMIC (the five-product backward, ``triton_atomic``'s Hopper path): each iteration also computes the Q
-        tile's share ``sm_scale * dS_t K`` of dQ from this block's keys and adds it into ``dq_acc_ptr``, float32
-        ``[B, H, num_m_tiles * BLOCK_M, D]`` zeroed before the launch, in two column halves (the accumulator of a
-        whole share did not fit beside dK and dV in 255 registers at D = 128).  DQ_ORDERED adds the shares in a
-        fixed order (deterministic dQ): ``dq_locks_ptr`` holds one int32 per (batch, head, Q tile), zeroed, which
-        the block ``n`` that adds sets to ``n + 1``; a block whose predecessor also visits the tile first waits for
-        that value.  The K/V blocks that visit a Q tile are consecutive (both ends of ``q_loop_bounds`` grow with
-        ``start_n``), and a program's predecessor starts no later than it, so every wait ends.
+        tile's share ``sm_scale * dS_t K`` of dQ from this block's keys and adds it by TMA reductions
+        (``_add_dq_share``) into the tensor of ``dq_desc``, float32 ``[B, H, num_m_tiles * BLOCK_M, D]`` zeroed
+        before the launch, whose boxes are the share's column parts (``dq_share_width``).  DQ_ORDERED adds the
+        shares in a fixed order (deterministic dQ): ``dq_locks_ptr`` holds one int32 per (batch, head, Q tile),
+        zeroed, which the block ``n`` that adds sets to ``n + 1``; a block whose predecessor also visits the tile
+        first waits for that value.  The K/V blocks that visit a Q tile are consecutive (both ends of
+        ``q_loop_bounds`` grow with ``start_n``), and a program's predecessor starts no later than it, so every wait
+        ends.
         """
         NUM_WARPS: gl.constexpr = gl.num_warps()
         gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "one warpgroup per 64 keys: BLOCK_N must be 16 * num_warps")
@@ -343,11 +336,11 @@ if gluon is not None:
             ds_smem = gl.allocate_shared_memory(
                 DTYPE, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], DTYPE)
             )  # fmt: skip
-            # dQ's share in two column halves: fewer registers held at once.  In ptxas (64 x 128 w8, D = 128, no
-            # mask) the halves spilled 108 bytes a thread, the whole share 276 and quarters 308; at D = 64 the halves
-            # spill nothing and the whole share 68 bytes (64 x 64 w4, causal).
-            DQ_PARTS: gl.constexpr = 2
+            # dQ's share is staged in shared memory for its TMA reductions, at D = 128 in two column halves (fewer
+            # registers held at once; the host's descriptor has boxes of dq_share_width(D) columns).
+            DQ_PARTS: gl.constexpr = 2 if BLOCK_D > 64 else 1
             DQ_WIDTH: gl.constexpr = BLOCK_D // DQ_PARTS
+            dq_staging = gl.allocate_shared_memory(gl.float32, [DQ_PARTS, 1, 1, BLOCK_M, DQ_WIDTH], dq_desc.layout)
             dq_layout: gl.constexpr = split_accumulator_layout(NUM_WARPS, BLOCK_M, DQ_WIDTH)
         fence_async_shared()
 
@@ -436,22 +429,27 @@ if gluon is not None:
                 # registers: 64 x 128 tiles at D = 128 fit 255 registers only so).
                 ds_smem.store(ds_t.to(DTYPE))
                 dv, p_op = warpgroup_mma_wait(0, deps=(dv, p_op))
+                tma.store_wait(0)  # the previous tile's reductions have read the staging buffer
                 fence_async_shared()
                 cta_barrier()  # dQ's reduction runs over all BLOCK_N keys: every warpgroup's dS^T rows land first
                 dk = warpgroup_mma(ds_smem, q_tile, dk, is_async=True)
-                for part in gl.static_range(DQ_PARTS):
-                    dq_part = gl.zeros([BLOCK_M, DQ_WIDTH], gl.float32, dq_layout)
-                    dq_part = warpgroup_mma(
-                        ds_smem.permute((1, 0)), k_tile.slice(part * DQ_WIDTH, DQ_WIDTH, dim=1), dq_part,
-                        use_acc=False, is_async=True,
+                dq_first = warpgroup_mma(
+                    ds_smem.permute((1, 0)), k_tile.slice(0, DQ_WIDTH, dim=1),
+                    gl.zeros([BLOCK_M, DQ_WIDTH], gl.float32, dq_layout), use_acc=False, is_async=True,
+                )  # fmt: skip
+                if DQ_PARTS == 2:  # both halves issued behind dK: the first one's store runs under the second's product
+                    dq_second = warpgroup_mma(
+                        ds_smem.permute((1, 0)), k_tile.slice(DQ_WIDTH, DQ_WIDTH, dim=1),
+                        gl.zeros([BLOCK_M, DQ_WIDTH], gl.float32, dq_layout), use_acc=False, is_async=True,
                     )  # fmt: skip
-                    dk, dq_part = warpgroup_mma_wait(0, deps=(dk, dq_part))
-                    _add_dq_share(
-                        dq_part * sm_scale, dq_acc_ptr + part * DQ_WIDTH, dq_locks_ptr, start_m, batch,
-                        first_head + g, num_heads, num_m_tiles * BLOCK_M, num_m_tiles, start_n // BLOCK_N,
-                        (start_m >= prev_lo) & (start_m < prev_hi), BLOCK_M, BLOCK_D, DQ_ORDERED, part == 0,
-                        part == DQ_PARTS - 1,
-                    )  # fmt: skip
+                    dk, dq_first = warpgroup_mma_wait(1, deps=(dk, dq_first))
+                    dq_staging.index(0).reshape([BLOCK_M, DQ_WIDTH]).store(dq_first * sm_scale)
+                    dq_second = warpgroup_mma_wait(0, deps=(dq_second,))
+                    dq_staging.index(1).reshape([BLOCK_M, DQ_WIDTH]).store(dq_second * sm_scale)
+                else:
+                    dk, dq_first = warpgroup_mma_wait(0, deps=(dk, dq_first))
+                    dq_staging.index(0).reshape([BLOCK_M, DQ_WIDTH]).store(dq_first * sm_scale)
+                fence_async_shared()  # the share's stores, before the TMA reductions read them
             else:
                 ds_op = gl.convert_layout(ds_t.to(DTYPE), operand_layout)
                 dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
@@ -459,6 +457,11 @@ if gluon is not None:
                 dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
             # Every warpgroup is past the products that read slot t: refill it with the tile NUM_STAGES ahead.
             cta_barrier()
+            if DQ_ATOMIC:  # (and every warp's part of the dQ share is in shared memory)
+                _add_dq_share(
+                    dq_desc, dq_staging, dq_locks_ptr, start_m, batch, first_head + g, num_heads, num_m_tiles,
+                    start_n // BLOCK_N, (start_m >= prev_lo) & (start_m < prev_hi), DQ_PARTS, DQ_WIDTH, DQ_ORDERED,
+                )  # fmt: skip
             _load_q_do_tile(
                 q_desc, do_desc, q_do_bars, q_ring, do_ring, t + NUM_STAGES, n_iters, tiles_per_head, lo,
                 batch, first_head, q_origin, BLOCK_M, NUM_STAGES, DESCENDING,
@@ -489,6 +492,16 @@ if gluon is not None:
             tma_store(dk_desc, [batch, kv_head, start_n, 0], k_smem)
             tma_store(dv_desc, [batch, kv_head, start_n, 0], v_smem)
         tma.store_wait(0)
+
+
+def dq_share_width(head_dim: int) -> int:
+    """The columns of one part of the five-product kernel's dQ share (its ``DQ_WIDTH``): the TMA box of ``dq_acc``.
+
+    Measured on the H100 (fp16, N = 8k, full and causal; the backward's time against the two-kernel one's in the
+    same run): at D = 128 two halves of 64 columns, both products issued behind dK, were 3-5% faster than the halves
+    one after the other and 9-10% faster than the whole share (more registers live: more spills); at D = 64 the
+    whole share was 5-8% faster than halves."""
+    return head_dim // 2 if head_dim > 64 else head_dim
 
 
 def attention_dkdv_hopper(
@@ -548,11 +561,13 @@ def attention_dkdv_hopper(
         raise ValueError(f"dq_locks must be an int32 [B, H, Nq / block_m] tensor beside dq_acc {padded}")
     # Packed: slots per kv head (common.kv_block_opening), at most one idle slot per sequence.
     num_n_blocks = -(-Nk // block_n) if varlen is None else Nk // block_n + varlen[2]
+    q_desc = tile_descriptor(q, block_m)
+    dq_desc = q_desc if dq_acc is None else tile_descriptor(dq_acc, block_m, dq_share_width(D))  # (q's: not read)
     attention_dkdv_hopper_kernel[(num_n_blocks * B * Hkv,)](
-        tile_descriptor(q, block_m), tile_descriptor(k, block_n), tile_descriptor(v, block_n),
+        q_desc, tile_descriptor(k, block_n), tile_descriptor(v, block_n),
         tile_descriptor(do, block_m), tile_descriptor(dk, block_n), tile_descriptor(dv, block_n), lse2, delta,
         H, Hkv, H // Hkv, Nq, Nk, num_n_blocks, scale, scale * LOG2E, *modifiers.args[1:8],
-        dk_rows, dv_rows, dk_rows.stride(0), *sequences, lse2 if dq_acc is None else dq_acc,
+        dk_rows, dv_rows, dk_rows.stride(0), *sequences, dq_desc,
         lse2 if dq_locks is None else dq_locks, -(-Nq // block_m),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=D, CAUSAL=causal, NUM_STAGES=num_stages,
         IS_FP16=q.dtype == torch.float16, VARLEN=varlen is not None, WINDOW_LEFT=modifiers.flags["WINDOW_LEFT"],

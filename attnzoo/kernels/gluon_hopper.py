@@ -37,10 +37,11 @@ try:
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+    tma_reduce_add = getattr(tma, "async_atomic_add", None)
 except (ImportError, AttributeError):  # pragma: no cover - no usable Gluon Hopper API: the Triton kernels serve
     # Triton before 3.4 has no Gluon.  The kernel modules still import these names (and define no kernel).
     gluon = gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = None
-    GluonTensorDescriptor = tma_load = tma_store = cta_barrier = None
+    GluonTensorDescriptor = tma_load = tma_store = cta_barrier = tma_reduce_add = None
 
 __all__ = [
     "HOPPER_DTYPES",
@@ -60,6 +61,7 @@ __all__ = [
     "tile_descriptor",
     "tma",
     "tma_load",
+    "tma_reduce_add",
     "tma_store",
     "warpgroup_mma",
     "warpgroup_mma_wait",
@@ -78,6 +80,18 @@ def head_dim_parts(head_dim: int) -> tuple[int, int]:
     if second and (second < 16 or second & (second - 1)):
         raise ValueError(f"head dim {head_dim} is not a power of two nor one plus a power of two >= 16")
     return first, second
+
+
+if gluon is not None and tma_reduce_add is None:  # Triton 3.6: the builder has the op, the language no call
+    from triton._C.libtriton import ir as _ir
+    from triton.experimental.gluon.language._core import builtin as _builtin
+
+    @_builtin
+    def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        """Add the shared-memory tile ``src`` into the global box at ``coord`` of ``tensor_desc`` with one TMA
+        reduction (``cp.reduce.async.bulk.tensor ... .add``); completes like a TMA store (``tma.store_wait``)."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 if gluon is not None:
@@ -203,7 +217,10 @@ def record_compile_failure(error: Exception) -> None:
 @functools.cache
 def _tile_layout(rows: int, cols: int, dtype: torch.dtype):
     """The shared-memory layout of a ``[1, 1, rows, cols]`` TMA box (128-byte swizzle for these tiles)."""
-    gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}[dtype]
+    gl_dtype = {
+        torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv,
+        torch.float32: gl.float32,
+    }[dtype]  # fmt: skip
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], gl_dtype)
 
 
