@@ -477,9 +477,9 @@ HEURISTIC_ORDER: dict[tuple[str, bool], tuple[str, ...]] = {
     ("dkdv", False): ("64x64 w4 s2 gluon", "32x64 w4 s3"),
     ("dq", True): ("64x64 w4 s3 tma", "64x64 w4 s3"),
     ("dq", False): ("128x64 w8 s3 tma", "128x64 w8 s3"),
-    # The atomic kernel: the Gluon five-product config won 38 of the 40 dense keys of bench/results/
-    # h100_atomic_tuning.log (64x64 w4 s2 gluon the other two); without Gluon, the grids' winner.
-    ("atomic", True): ("64x128 w8 s2 gluon", "128x64 w8 s2"),
+    # The atomic kernel: the Gluon five-product configs won every dense key of the grids (64x64 w4 at D = 64,
+    # 64x128 w8 at D = 128); without Gluon, the Triton kernel's winner of bench/results/h100_atomic_tuning.log.
+    ("atomic", True): ("64x64 w4 s2 gluon", "128x64 w8 s2"),
     ("atomic", False): ("64x128 w8 s2 gluon", "128x64 w8 s2"),
 }
 
