@@ -141,18 +141,21 @@ if gluon is not None:
 
     @gluon.jit
     def _add_dq_share(
-        dq_desc, dq_staging, dq_locks_ptr, start_m, batch, head, num_heads, num_m_tiles, n_block, after_predecessor,
-        DQ_PARTS: gl.constexpr, DQ_WIDTH: gl.constexpr, DQ_ORDERED: gl.constexpr,
+        dq_desc, dq_first_smem, dq_second_smem, dq_locks_ptr, start_m, batch, head, num_heads, num_m_tiles, n_block,
+        after_predecessor, DQ_PARTS: gl.constexpr, DQ_WIDTH: gl.constexpr, DQ_ORDERED: gl.constexpr,
     ):  # fmt: skip
         """Add this K/V block's share of the dQ of the Q tile at ``start_m`` of ``head``, staged in shared memory
-        (``dq_staging``: DQ_PARTS column parts of DQ_WIDTH), into the float32 ``[B, H, padded_q, D]`` accumulator
-        with one TMA reduction per part (``cp.reduce.async.bulk.tensor ... .add.f32``, issued by one thread: the
-        additions take no registers and no instructions of the other threads, and run while the next tile's
-        products do).  The staging buffer is reused only after ``tma.store_wait`` (the reductions have read it).
+        (DQ_PARTS column parts of DQ_WIDTH: ``dq_first_smem``, then ``dq_second_smem``), into the float32
+        ``[B, H, padded_q, D]`` accumulator by TMA reductions (``cp.reduce.async.bulk.tensor ... .add.f32``): the
+        additions take no registers nor instructions of the threads that compute, and run while the next tile's
+        products do.  A 128-byte-swizzled float32 box is at most 32 columns wide, so Triton splits a part into
+        32-column messages, issued by elected lanes of more than one warp; the staging tiles are rewritten only
+        after every thread's ``tma.store_wait`` (each issuer waits for its own).
 
         DQ_ORDERED: when the block before this one also adds into the tile (``after_predecessor``), wait until the
-        tile's lock shows ``n_block``; add; wait until the reductions are complete (``cp.async.bulk.wait_group 0``,
-        not only read), fence, and set the lock to ``n_block + 1``."""
+        tile's lock shows ``n_block``; add; wait until the reductions are performed (``cp.async.bulk.wait_group 0``,
+        not only read: run by every thread, since more than one issued), fence, and set the lock to
+        ``n_block + 1``."""
         BLOCK_M: gl.constexpr = dq_desc.block_type.shape[2]
         lock = dq_locks_ptr + (batch * num_heads + head).to(gl.int64) * num_m_tiles + start_m // BLOCK_M
         if DQ_ORDERED:
@@ -160,15 +163,14 @@ if gluon is not None:
                 while gl.atomic_cas(lock, n_block, n_block, sem="acquire") != n_block:
                     pass
             cta_barrier()  # no reduction starts before the lock showed the predecessor's share in
-        for part in gl.static_range(DQ_PARTS):
-            tma_reduce_add(dq_desc, [batch, head, start_m, part * DQ_WIDTH], dq_staging.index(part))
+        tma_reduce_add(dq_desc, [batch, head, start_m, 0], dq_first_smem)
+        if DQ_PARTS == 2:
+            tma_reduce_add(dq_desc, [batch, head, start_m, DQ_WIDTH], dq_second_smem)
         if DQ_ORDERED:
-            # The issuing thread waits for its reductions to be performed (the other threads have none), then the
-            # CTA's release of the lock follows them.
             gl.inline_asm_elementwise(
                 "cp.async.bulk.wait_group 0; fence.acq_rel.gpu; mov.b32 $0, 0;", "=r,r", [n_block], gl.int32, False, 1
             )  # fmt: skip
-            cta_barrier()
+            cta_barrier()  # every issuer's reductions are performed before the lock says so
             gl.atomic_xchg(lock, n_block + 1, sem="release")
 
     @gluon.jit(do_not_specialize=[
@@ -340,7 +342,15 @@ if gluon is not None:
             # registers held at once; the host's descriptor has boxes of dq_share_width(D) columns).
             DQ_PARTS: gl.constexpr = 2 if BLOCK_D > 64 else 1
             DQ_WIDTH: gl.constexpr = BLOCK_D // DQ_PARTS
-            dq_staging = gl.allocate_shared_memory(gl.float32, [DQ_PARTS, 1, 1, BLOCK_M, DQ_WIDTH], dq_desc.layout)
+            gl.static_assert(dq_desc.block_type.shape[2] == BLOCK_M, "dq_desc's box: BLOCK_M rows")
+            gl.static_assert(dq_desc.block_type.shape[3] == DQ_WIDTH, "dq_desc's box: dq_share_width(D) columns")
+            # Two allocations, not one of two parts: a store into the second part would wait at a CTA barrier for
+            # the first one's (Triton orders writes to one buffer).
+            dq_first_smem = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
+            if DQ_PARTS == 2:
+                dq_second_smem = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
+            else:  # not used
+                dq_second_smem = dq_first_smem
             dq_layout: gl.constexpr = split_accumulator_layout(NUM_WARPS, BLOCK_M, DQ_WIDTH)
         fence_async_shared()
 
@@ -429,7 +439,7 @@ if gluon is not None:
                 # registers: 64 x 128 tiles at D = 128 fit 255 registers only so).
                 ds_smem.store(ds_t.to(DTYPE))
                 dv, p_op = warpgroup_mma_wait(0, deps=(dv, p_op))
-                tma.store_wait(0)  # the previous tile's reductions have read the staging buffer
+                tma.store_wait(0)  # the previous tile's reductions have read the staging tiles
                 fence_async_shared()
                 cta_barrier()  # dQ's reduction runs over all BLOCK_N keys: every warpgroup's dS^T rows land first
                 dk = warpgroup_mma(ds_smem, q_tile, dk, is_async=True)
@@ -443,12 +453,12 @@ if gluon is not None:
                         gl.zeros([BLOCK_M, DQ_WIDTH], gl.float32, dq_layout), use_acc=False, is_async=True,
                     )  # fmt: skip
                     dk, dq_first = warpgroup_mma_wait(1, deps=(dk, dq_first))
-                    dq_staging.index(0).reshape([BLOCK_M, DQ_WIDTH]).store(dq_first * sm_scale)
+                    dq_first_smem.reshape([BLOCK_M, DQ_WIDTH]).store(dq_first * sm_scale)
                     dq_second = warpgroup_mma_wait(0, deps=(dq_second,))
-                    dq_staging.index(1).reshape([BLOCK_M, DQ_WIDTH]).store(dq_second * sm_scale)
+                    dq_second_smem.reshape([BLOCK_M, DQ_WIDTH]).store(dq_second * sm_scale)
                 else:
                     dk, dq_first = warpgroup_mma_wait(0, deps=(dk, dq_first))
-                    dq_staging.index(0).reshape([BLOCK_M, DQ_WIDTH]).store(dq_first * sm_scale)
+                    dq_first_smem.reshape([BLOCK_M, DQ_WIDTH]).store(dq_first * sm_scale)
                 fence_async_shared()  # the share's stores, before the TMA reductions read them
             else:
                 ds_op = gl.convert_layout(ds_t.to(DTYPE), operand_layout)
@@ -459,8 +469,9 @@ if gluon is not None:
             cta_barrier()
             if DQ_ATOMIC:  # (and every warp's part of the dQ share is in shared memory)
                 _add_dq_share(
-                    dq_desc, dq_staging, dq_locks_ptr, start_m, batch, first_head + g, num_heads, num_m_tiles,
-                    start_n // BLOCK_N, (start_m >= prev_lo) & (start_m < prev_hi), DQ_PARTS, DQ_WIDTH, DQ_ORDERED,
+                    dq_desc, dq_first_smem, dq_second_smem, dq_locks_ptr, start_m, batch, first_head + g, num_heads,
+                    num_m_tiles, start_n // BLOCK_N, (start_m >= prev_lo) & (start_m < prev_hi), DQ_PARTS, DQ_WIDTH,
+                    DQ_ORDERED,
                 )  # fmt: skip
             _load_q_do_tile(
                 q_desc, do_desc, q_do_bars, q_ring, do_ring, t + NUM_STAGES, n_iters, tiles_per_head, lo,

@@ -205,8 +205,10 @@ def shared_memory_estimate(
         return itemsize * (block_d * (m + n * s) + dv * n * s)
     if kernel == "dkdv" or (kernel == "atomic" and cfg.gluon):
         # K, V resident; Q and dO streamed; P^T and dS^T staged for the dots (the Gluon kernel keeps both in
-        # registers, and its five-product build stages dS^T only: an over-estimate for them).
-        return itemsize * ((block_d + dv) * (n + m * s) + 2 * m * n)
+        # registers, and its five-product build stages dS^T only) and, for the five-product build, the float32 dQ
+        # share staged for its TMA reductions.
+        dq_staging = 4 * m * block_d if kernel == "atomic" else 0
+        return itemsize * ((block_d + dv) * (n + m * s) + 2 * m * n) + dq_staging
     # dq, atomic: Q and dO resident; K and V streamed; dS (and P^T) staged for the dots.
     return itemsize * ((block_d + dv) * (m + n * s) + 2 * m * n)
 
