@@ -145,12 +145,12 @@ def gluon_source(
     for i, name in enumerate(kernel.arg_names):
         if name in flags:
             signature[name], constexprs[(i,)] = "constexpr", flags[name]
-        elif name == "dq_desc":  # the five-product dQ accumulator: float32 boxes of half the head dim
+        elif name == "dq_desc" and flags["DQ_ATOMIC"]:  # the five-product dQ accumulator: float32 share boxes
             box = [1, 1, cfg.block_m, dq_share_width(d)]
             layout = gl.NVMMASharedLayout.get_default_for(box, gl.float32)
             signature[name] = f"tensordesc<fp32[{', '.join(map(str, box))}],{layout!r}>"
         elif name.endswith("_desc"):
-            rows = q_rows if name in ("q_desc", "q2_desc", "o_desc", "do_desc") else cfg.block_n
+            rows = q_rows if name in ("q_desc", "q2_desc", "o_desc", "do_desc", "dq_desc") else cfg.block_n
             width = {"v_desc": dv, "o_desc": dv, "q2_desc": d_second or d_first, "k2_desc": d_second or d_first}
             if fp8 and name == "v_desc":  # v keys-contiguous: Dv rows of BLOCK_N keys
                 signature[name] = descriptor(dv, cfg.block_n, name)
