@@ -169,7 +169,8 @@ def report(
     kernel_name: str, dtype: str, d: int, cfg: KernelConfig, causal: bool, q_tail: bool,
     modifiers: frozenset[str] = frozenset(), dv: int | None = None,
 ) -> dict:  # fmt: skip
-    """Registers, spill bytes, global store / reduction widths and the wgmma waits of one compiled config."""
+    """Registers, shared memory, spill bytes, global store / reduction widths and the wgmma waits of one compiled
+    config."""
     if dv not in (None, d) and not (cfg.gluon and kernel_name == "forward"):
         raise SystemExit("--dv: the Gluon forward only (the other kernels' reports take Dv = D)")
     if cfg.gluon:
@@ -204,7 +205,11 @@ def report(
         ),
         # Asynchronous products waited for with some still in flight ("wait 1") are what overlaps the softmax.
         mma_waits=collections.Counter(re.findall(r"\bwgmma\.wait_group\.sync\.aligned (\d+)", ptx)),
-        reductions=collections.Counter(re.findall(r"\bred\.global(?:\.\w+)*?\.add((?:\.v\d)?\.[bf]\d+)", ptx)),
+        # Per-thread reductions by width, and the TMA reductions of a shared-memory tile ("tma": its element type is
+        # in the tensor map, not the instruction).
+        reductions=collections.Counter(re.findall(r"\bred\.global(?:\.\w+)*?\.add((?:\.v\d)?\.[bf]\d+)", ptx))
+        + collections.Counter("tma" for _ in re.finditer(r"\bcp\.reduce\.async\.bulk\.tensor\.", ptx)),
+        shared_bytes=compiled.metadata.shared,
     )
 
 
@@ -246,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                 widths = lambda counts: " ".join(f"{n}x{w}" for w, n in sorted(counts.items())) or "-"  # noqa: E731
                 print(
                     f"{name} {args.dtype} D={d}{f' Dv={args.dv}' if args.dv else ''} {cfg}: "
-                    f"{r['registers']} registers, spill {r['spill_stores']}/{r['spill_loads']} B stored/loaded, "
+                    f"{r['registers']} registers, {r['shared_bytes']} B shared memory, "
+                    f"spill {r['spill_stores']}/{r['spill_loads']} B stored/loaded, "
                     f"products {widths(r['products'])}, "
                     f"stores {widths(r['stores'])}, reductions {widths(r['reductions'])}, "
                     f"wgmma waits {widths(r['mma_waits'])}",

@@ -96,6 +96,26 @@ def test_the_gluon_kernels_compile_for_packed_batches(kernel):
         assert any(w.endswith("x1") for w in re.search(r"wgmma waits (.*)$", line).group(1).split()), line
 
 
+def test_the_five_product_backward_adds_dq_by_tma_reductions():
+    """The five-product build of the Gluon dK/dV kernel (``triton_atomic``'s Hopper path) adds each Q tile's dQ
+    share by TMA reductions of a shared-memory tile, one instruction per column part (one part at D = 64, two at
+    D = 128) and no per-thread ``red``/``atom`` additions; and its shared memory stays within the estimate by which
+    the tuner prunes candidates (an estimate without the float32 staging tile let a candidate through that could not
+    launch)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from attnzoo.kernels.tuning import CANDIDATES, shared_memory_estimate
+
+    configs = [c for c in CANDIDATES["atomic"] if c.gluon]
+    assert configs
+    for cfg in configs:
+        flags = ",".join(map(str, (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages))) + ",gluon"
+        lines = _ptx_report("--kernel", "dkdv", "--d", "64,128", "--config", flags, "--modifiers", "dq_atomic")
+        for d, line in zip((64, 128), lines, strict=True):
+            assert re.search(r"reductions (.*?), wgmma waits", line).group(1) == f"{d // 64}xtma", line
+            shared = int(re.search(r"(\d+) B shared memory", line).group(1))
+            assert shared <= shared_memory_estimate("atomic", cfg, d, 2), line
+
+
 def test_the_fp8_forward_multiplies_fp8_on_the_tensor_cores():
     """``attention_fp8``'s forward (DESCALE, v with its keys contiguous) runs both products as FP8 ``wgmma``
     (``f32.e4m3.e4m3``: twice the 16-bit rate on Hopper), with no spills, full and causal: the Triton kernel and
