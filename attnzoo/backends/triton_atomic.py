@@ -12,7 +12,8 @@ other one.  The order of the atomic additions changes from run to run, so dK/dV 
 
 On Hopper (``delta="preprocess"``) the tuner also has the five-product backward: the Gluon K/V-stationary kernel of
 ``kernels/backward_gluon.py`` computes dK and dV of its keys in registers and adds each Q tile's dQ share into a
-float32 buffer atomically; there dQ is the sum that varies in order.  ``deterministic=True`` adds those shares in a
+float32 buffer by TMA reductions (atomic additions of a shared-memory tile); there dQ is the sum that varies in
+order.  ``deterministic=True`` adds those shares in a
 fixed order (a lock per dQ tile, FlashAttention-3's scheme): the whole backward is then bitwise reproducible, and
 calls outside that kernel's scope run the two-kernel backward (reproducible too).
 """
@@ -51,7 +52,7 @@ class TritonAtomic(TritonBackend):
         summary=(
             "Triton FA2 forward (on Hopper also the Gluon one); one Q-stationary backward kernel, dK/dV added "
             "with tl.atomic_add; on Hopper also a K/V-stationary Gluon backward of five products per tile, dQ added "
-            "atomically (in a fixed order with deterministic=True)"
+            "by TMA reductions (in a fixed order with deterministic=True)"
         ),
         devices=frozenset({"cuda", "cpu"}),
         dtypes=TRITON_DTYPES,
