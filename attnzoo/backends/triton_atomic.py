@@ -13,9 +13,9 @@ other one.  The order of the atomic additions changes from run to run, so dK/dV 
 On Hopper (``delta="preprocess"``) the tuner also has the five-product backward: the Gluon K/V-stationary kernel of
 ``kernels/backward_gluon.py`` computes dK and dV of its keys in registers and adds each Q tile's dQ share into a
 float32 buffer by TMA reductions (atomic additions of a shared-memory tile); there dQ is the sum that varies in
-order.  ``deterministic=True`` adds those shares in a
-fixed order (a lock per dQ tile, FlashAttention-3's scheme): the whole backward is then bitwise reproducible, and
-calls outside that kernel's scope run the two-kernel backward (reproducible too).
+order.  ``deterministic=True`` adds those shares in a fixed order (a lock per dQ tile, FlashAttention-3's scheme):
+the whole backward is then bitwise reproducible, and calls outside that kernel's scope run the two-kernel backward
+(reproducible too).
 """
 
 from __future__ import annotations
