@@ -338,12 +338,12 @@ if gluon is not None:
             ds_smem = gl.allocate_shared_memory(
                 DTYPE, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], DTYPE)
             )  # fmt: skip
-            # dQ's share is staged in shared memory for its TMA reductions, at D = 128 in two column halves (fewer
-            # registers held at once; the host's descriptor has boxes of dq_share_width(D) columns).
-            DQ_PARTS: gl.constexpr = 2 if BLOCK_D > 64 else 1
-            DQ_WIDTH: gl.constexpr = BLOCK_D // DQ_PARTS
+            # dQ's share is staged in shared memory for its TMA reductions, in the column parts of the host's
+            # descriptor boxes (dq_share_width: two halves at D = 128, fewer registers held at once).
+            DQ_WIDTH: gl.constexpr = dq_desc.block_type.shape[3]
+            DQ_PARTS: gl.constexpr = BLOCK_D // DQ_WIDTH
             gl.static_assert(dq_desc.block_type.shape[2] == BLOCK_M, "dq_desc's box: BLOCK_M rows")
-            gl.static_assert(dq_desc.block_type.shape[3] == DQ_WIDTH, "dq_desc's box: dq_share_width(D) columns")
+            gl.static_assert(DQ_PARTS * DQ_WIDTH == BLOCK_D and DQ_PARTS <= 2, "dq_desc's box: half or all of D")
             # Two allocations, not one of two parts: a store into the second part would wait at a CTA barrier for
             # the first one's (Triton orders writes to one buffer).
             dq_first_smem = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
@@ -402,6 +402,7 @@ if gluon is not None:
             delta = gl.load(delta_ptr + stats, mask=rows < seq_q, other=0.0)
             s2 = s_t * qk_scale  # base-2 scores
             if SOFTCAP:  # c tanh(s / c) (in base 2), tanh kept for its derivative 1 - tanh^2 in dS
+                # (common.softcap_scores' math, its derivative taken below where dS needs it)
                 tanh = gl.inline_asm_elementwise(
                     "tanh.approx.f32 $0, $1;", "=r,r", [s2 * cap_in], dtype=gl.float32, is_pure=True, pack=1
                 )

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .common import LOG2E, fp8_factors, kv_loop_bounds, q_block_opening, q_block_program
+from .common import LOG2E, fp8_factors, kv_loop_bounds, q_block_opening, q_block_program, softcap_scores
 from .gluon_hopper import (
     accumulator_layout,
     cta_barrier,
@@ -121,10 +121,7 @@ if gluon is not None:
         a wrong score, but the causal mask hides them."""
         s2 = s * qk_scale
         if SOFTCAP:
-            tanh = gl.inline_asm_elementwise(
-                "tanh.approx.f32 $0, $1;", "=r,r", [s2 * cap_in], dtype=gl.float32, is_pure=True, pack=1
-            )
-            s2 = cap_out * tanh
+            s2, _ = softcap_scores(s2, cap_in, cap_out, 2)
         if ALIBI:
             if CAUSAL:
                 s2 = s2 + alibi_cols[None, :]
