@@ -17,6 +17,7 @@ The packed case is ``attnzoo.bench.varlen``'s: 16k tokens in sequences of length
 
     python -m attnzoo tune --dtype fp16,bf16 --d 64,128 --N 1k,2k,4k,8k,16k
     python -m attnzoo tune --dtype bf16 --d 128 --N 4k --layout packed
+    python -m attnzoo tune --kernels dq        # the dQ kernel's keys only (say, after new candidates)
 """
 
 from __future__ import annotations
@@ -155,9 +156,11 @@ def tune(
     causals: list[bool],
     quiet: bool,
     layouts: tuple[bool, ...] = (False,),
+    kernels: tuple[str, ...] | None = None,
 ) -> list[str]:
     """Time every key of the given shapes, dense and/or packed (``layouts``: False dense, True packed), and store the
-    winners; returns one report line per key tuned."""
+    winners; returns one report line per key tuned.  ``kernels``: time only these kernels' keys (the backends that
+    run none of them are not run)."""
     import torch
 
     import attnzoo
@@ -173,8 +176,9 @@ def tune(
         for n in lengths
         for causal in causals
     ]
+    backends = [name for name in BACKENDS if kernels is None or set(kernels) & set(attnzoo.get(name).kernel_names)]
     progress = Progress(len(shapes), enabled=not quiet)
-    with autotuning(True):
+    with autotuning(True, kernels):
         for dtype_name, d, n, causal, packed in shapes:
             dtype = getattr(torch, DTYPES[dtype_name])
             if packed:
@@ -187,7 +191,7 @@ def tune(
                 shape = (batch, heads, n, d)
                 q, k, v, do = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
                 layout = None
-            for name in BACKENDS:
+            for name in backends:
                 _run_both_ways(attnzoo.get(name), q, k, v, do, causal, layout)
             torch.cuda.synchronize()
             progress.advance(f"{dtype_name} D={d} N={n} causal={causal}{' packed' if packed else ''}", "tuned")
@@ -203,6 +207,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--layout", default="dense", choices=["dense", "packed", "both"],
         help="dense batches, packed ones (attention_varlen), or both (default dense)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kernels", default=None,
+        help="comma list of the kernels to time (forward, dq, dkdv, atomic; default all): the others run their stored "
+        "or shipped configs, untimed",
     )  # fmt: skip
     p.add_argument("--workers", type=int, default=None, help="compilation processes (default: CPU count, at most 16)")
     p.add_argument("--skip-compile", action="store_true", help="no parallel compilation step")
@@ -222,6 +231,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--d: head dims must lie in 1..256, got {args.d}")
     if args.workers is not None and args.workers < 1:
         p.error(f"--workers must be >= 1, got {args.workers}")
+    known = ("forward", "dq", "dkdv", "atomic")
+    args.kernel_names = None if args.kernels is None else tuple(args.kernels.split(","))
+    if args.kernel_names is not None and not set(args.kernel_names) <= set(known):
+        p.error(f"--kernels: comma list of {', '.join(known)}, got {args.kernels!r}")
     args.causals = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
     args.packed_layouts = {"dense": (False,), "packed": (True,), "both": (False, True)}[args.layout]
     return args
@@ -243,9 +256,13 @@ def main(argv: list[str] | None = None) -> int:
         workers = args.workers or min(16, os.cpu_count() or 1)
         # Dense kernels compile once for every N; packed ones on each N's own packed case.
         layouts = [None] * (False in args.packed_layouts) + args.lengths * (True in args.packed_layouts)
-        compile_all(_jobs(args.dtypes, args.head_dims, args.causals, layouts), workers, args.quiet)
+        jobs = _jobs(args.dtypes, args.head_dims, args.causals, layouts)
+        jobs = [job for job in jobs if args.kernel_names is None or job[3] in args.kernel_names]
+        compile_all(jobs, workers, args.quiet)
     if not args.compile_only:
-        for line in tune(args.dtypes, args.head_dims, args.lengths, args.causals, args.quiet, args.packed_layouts):
+        for line in tune(
+            args.dtypes, args.head_dims, args.lengths, args.causals, args.quiet, args.packed_layouts, args.kernel_names
+        ):
             print(f"[tuned] {line}")  # the lines bench/ship_tuning.py reads
         print(f"winners stored in {cache_file(current_identity())}")
     print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)

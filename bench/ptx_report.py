@@ -105,20 +105,24 @@ def gluon_source(
     modifiers: frozenset[str] = frozenset(),
     dv: int | None = None,
 ):
-    """A Gluon Hopper kernel (a ``gluon`` config of the forward or the dK/dV kernel) as its launcher
-    (``forward_gluon.attention_forward_hopper``, ``backward_gluon.attention_dkdv_hopper``) specialises it, and the
-    ``num_warps`` it launches with: descriptors of ``[1, 1, rows, d]`` boxes; the forward's q/o boxes hold one
-    warpgroup's 64 rows, its k/v boxes BLOCK_N; the dK/dV kernel's q/dO boxes BLOCK_M rows, its k/v/dK/dV BLOCK_N.
+    """A Gluon Hopper kernel (a ``gluon`` config of the forward, the dK/dV or the dQ kernel) as its launcher
+    (``forward_gluon.attention_forward_hopper``, ``backward_gluon.attention_dkdv_hopper``,
+    ``backward_gluon_dq.attention_dq_hopper``) specialises it, and the ``num_warps`` it launches with: descriptors of
+    ``[1, 1, rows, d]`` boxes; the forward's and the dQ kernel's q/o/dO/dQ boxes hold one warpgroup's 64 rows, the
+    dK/dV kernel's q/dO boxes BLOCK_M rows, and every k/v/dK/dV box BLOCK_N.
     ``dv``: the forward's value head dim (v and o boxes; None: ``d``).  ``dtype`` "fp8" (the forward only): e4m3
     q/k/v boxes, v's as ``[1, 1, Dv, BLOCK_N]`` boxes of its keys-contiguous view, o in bfloat16 (DESCALE)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from attnzoo.kernels.backward_gluon import attention_dkdv_hopper_kernel, dq_share_width
+    from attnzoo.kernels.backward_gluon_dq import attention_dq_hopper_kernel
     from attnzoo.kernels.forward_gluon import KERNEL_WARPS, attention_forward_hopper_kernel
 
     if kernel_name == "forward":
         kernel, q_rows, num_warps = attention_forward_hopper_kernel, 64, KERNEL_WARPS
+    elif kernel_name == "dq":
+        kernel, q_rows, num_warps = attention_dq_hopper_kernel, 64, KERNEL_WARPS
     else:
         kernel, q_rows, num_warps = attention_dkdv_hopper_kernel, cfg.block_m, cfg.num_warps
 
@@ -156,7 +160,7 @@ def gluon_source(
                 signature[name] = descriptor(dv, cfg.block_n, name)
             else:
                 signature[name] = descriptor(rows, width.get(name, d_first), name)
-        elif name in ("o_ptr", "dk_ptr", "dv_ptr"):  # packed outputs (the rows of a slab cut by a sequence end)
+        elif name in ("o_ptr", "dk_ptr", "dv_ptr", "dq_ptr", "do_ptr"):  # packed outputs, the dQ kernel's o and do
             signature[name] = "*bf16" if fp8 else f"*{DTYPES[dtype]}"
         elif name.endswith("_ptr") or name in INT32_POINTERS:
             signature[name] = "*i32" if name in INT32_POINTERS else "*fp32"

@@ -241,6 +241,26 @@ def test_gluon_hopper_dkdv_against_oracle(cfg):
         _report(f"[gluon dkdv] {cfg} {str(dtype)[6:]} N={Nq}x{Nk} D={D} causal={causal} {layout}: {errors}")
 
 
+@pytest.mark.parametrize("cfg", [c for c in CANDIDATES["dq"] if c.gluon], ids=str)
+def test_gluon_hopper_dq_against_oracle(cfg):
+    """Each ``gluon`` dQ candidate runs the Gluon kernel on these inputs (not its Triton twin): dq within SPEC.md's
+    bound of the float64 oracle, and dk and dv too (the Triton dK/dV kernel reads the Delta and lse2 that it wrote),
+    with tails on both sides, rows that see no key, one query row, grouped-query heads and strided memory.  The
+    outputs are NaN-filled first (conftest), so an unwritten row fails."""
+    _needs_hopper()
+    for dtype, B, H, Hkv, Nq, Nk, D, causal, layout in HOPPER_CASES:
+        q, k, v, do = _hopper_case_inputs(dtype, B, H, Hkv, Nq, Nk, D, layout)
+        forced = {"forward": CANDIDATES["forward"][0], "dq": cfg, "dkdv": CANDIDATES["dkdv"][0]}
+        call = _prepared(q, k, v, D**-0.5, causal, forced=forced)
+        o, lse = attention_forward(call)
+        assert not call.gluon_reasons(KernelVariant.DQ, do, o), call.gluon_reasons(KernelVariant.DQ, do, o)
+        dq, dk, dv = attention_backward_2kernel(call, do, o, lse)
+        label = f"{cfg} {dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D={D} causal={causal}"
+        errors = _check_gradients(label, q, k, v, do, causal, o, dq, dk, dv)
+        _report(f"[gluon dq] {cfg} {str(dtype)[6:]} N={Nq}x{Nk} D={D} causal={causal} {layout}: {errors}")
+    assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
+
+
 @pytest.mark.parametrize("ordered", [False, True], ids=["atomic-dq", "ordered-dq"])
 @pytest.mark.parametrize("cfg", [c for c in CANDIDATES["atomic"] if c.gluon], ids=str)
 def test_five_product_backward_matches_the_oracle(cfg, ordered):
@@ -315,6 +335,7 @@ def test_gluon_hopper_scope():
     forward, dkdv = KernelVariant.FORWARD, KernelVariant.DKDV
     in_scope = _prepared(q, k, v, 0.1, True)
     assert not in_scope.gluon_reasons(forward) and not in_scope.gluon_reasons(dkdv, do)
+    assert not in_scope.gluon_reasons(KernelVariant.DQ, do, torch.randn_like(do))  # (do, o)
     outside = {
         "seqlens_k": _prepared(q, k, v, 0.1, True, sl),
         "dtype": _prepared(q.float(), k.float(), v.float(), 0.1, True),

@@ -179,6 +179,26 @@ def test_gluon_dkdv_applies_alibi_and_the_soft_cap(backward, cfg, dtype):
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cfg", [c for c in CANDIDATES["dq"] if c.gluon], ids=str)
+def test_gluon_dq_applies_each_modifier(cfg, dtype):
+    """The Gluon dQ kernel, pinned, on the windowed, ALiBi and soft-capped calls of the dK/dV tests above (the launch
+    layer sends them to it, not to its Triton twin): all five outputs within SPEC.md's bound of the float64 oracle
+    (dk and dv from the Delta and lse2 it writes), every element written."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels need an sm_90 GPU")
+    backend = attnzoo.get("triton_2kernel", configs={"dq": cfg})
+    windows = [(*case, 0.0, None) for case in GLUON_DKDV_WINDOWS]
+    for B, H, Hkv, Nq, Nk, D, causal, window, softcap, alibi in windows + GLUON_DKDV_MODIFIERS:
+        q, k, v, do, _, slopes = _make(B, H, Hkv, Nq, Nk, D, D, dtype, alibi=alibi, seed=Nq + Nk)
+        kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=slopes)
+        call = prepare(q, k, v, validate_forward(q, k, v, **kw))
+        reasons = call.gluon_reasons(KernelVariant.DQ, do, torch.empty_like(do))  # (do, o)
+        assert not reasons, reasons
+        _check(_run(backend, q, k, v, do, **kw), q, k, v, do, **kw)
+    assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
+
+
 @pytest.mark.parametrize("shard", range(SHARDS))
 @pytest.mark.parametrize(
     "dtype,D,Dv", [(torch.float16, 128, 128), (torch.bfloat16, 64, 64), (torch.bfloat16, 192, 128)]

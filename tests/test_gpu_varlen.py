@@ -56,12 +56,15 @@ def test_long_sequences(name, case):
 # The Gluon forward's own configs, pinned (persistent ones run their Triton twin on packed batches).
 GLUON_FORWARD = [c for c in CANDIDATES["forward"] if c.gluon and not c.persistent]
 GLUON_DKDV = [c for c in CANDIDATES["dkdv"] if c.gluon]
-# (backend, pinned configs): the Triton kernels as tuned, then each Gluon config of the forward and of dK/dV.
+GLUON_DQ = [c for c in CANDIDATES["dq"] if c.gluon]
+# (backend, pinned configs): the Triton kernels as tuned, then each Gluon config of the forward, dK/dV and dQ.
 PINNED = (
     [(name, None) for name in TRITON]
     + [("triton_2kernel", {"forward": cfg}) for cfg in GLUON_FORWARD]
     + [("triton_2kernel", {"dkdv": cfg}) for cfg in GLUON_DKDV]
+    + [("triton_2kernel", {"dq": cfg}) for cfg in GLUON_DQ]
 )
+VARIANTS = {"forward": KernelVariant.FORWARD, "dkdv": KernelVariant.DKDV, "dq": KernelVariant.DQ}
 
 
 def _pinned_id(value) -> str:
@@ -77,7 +80,8 @@ def _gluon_reasons(x: VarlenInputs, variant: KernelVariant, causal: bool, window
         x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, None, None, causal, None, window, softcap, x.alibi_slopes
     )
     call = prepare(x.q, x.k, x.v, problem)
-    return call.gluon_reasons(variant, x.do) if variant == KernelVariant.DKDV else call.gluon_reasons(variant)
+    extra = {KernelVariant.DKDV: (x.do,), KernelVariant.DQ: (x.do, torch.empty_like(x.do))}.get(variant, ())
+    return call.gluon_reasons(variant, *extra)  # the dQ kernel's o: a stand-in of its shape
 
 
 # What is poisoned with NaN in sequence 1, and the head dim and mask: the Gluon kernels zero the rows of a TMA box
@@ -101,7 +105,7 @@ def test_rows_never_see_another_sequence(name, configs, poison):
     backend = attnzoo.get(name) if configs is None else attnzoo.get(name, configs=configs)
     x = random_varlen_inputs((190, 300, 77), (230, 300, 64), 4, 2, head_dim, dtype=F16, device="cuda", seed=5)
     for kernel in configs or ():
-        variant = KernelVariant.FORWARD if kernel == "forward" else KernelVariant.DKDV
+        variant = VARIANTS[kernel]
         assert not _gluon_reasons(x, variant, causal), _gluon_reasons(x, variant, causal)
     clean = run_varlen_backend(backend, x, causal=causal)
     rows_q, rows_k = x.rows(1)
@@ -179,18 +183,21 @@ GLUON_DKDV_CASES = {
 
 @pytest.mark.parametrize("case", list(GLUON_DKDV_CASES))
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
-@pytest.mark.parametrize("dkdv", GLUON_DKDV, ids=str)
-def test_gluon_dkdv_on_packed_batches(dkdv, dtype, case):
-    """Every Gluon dK/dV config, pinned, on packed batches: dk and dv of each sequence within SPEC.md's bound of the
-    float64 oracle (with o, lse and dq of the tuned kernels), every row written (the outputs start as NaN)."""
+@pytest.mark.parametrize(
+    ("kernel", "cfg"), [("dkdv", c) for c in GLUON_DKDV] + [("dq", c) for c in GLUON_DQ], ids=lambda x: str(x)
+)
+def test_gluon_backward_kernels_on_packed_batches(kernel, cfg, dtype, case):
+    """Every Gluon dK/dV and dQ config, pinned, on packed batches: the gradients of each sequence within SPEC.md's
+    bound of the float64 oracle (with o and lse of the tuned forward, and the other backward kernel tuned), every
+    row written (the outputs start as NaN)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels need an sm_90 GPU")
     case = dataclasses.replace(GLUON_DKDV_CASES[case], dtype=dtype)
-    if dkdv not in candidates("dkdv", head_dim_tile(case.head_dim), dtype, torch.device("cuda")):
-        pytest.skip(f"{dkdv} does not fit the shared memory at D={case.head_dim} (the tuner drops it)")
-    reasons = _gluon_reasons(case.make(), KernelVariant.DKDV, case.causal, **case.modifiers)
+    if cfg not in candidates(kernel, head_dim_tile(case.head_dim), dtype, torch.device("cuda")):
+        pytest.skip(f"{cfg} does not fit the shared memory at D={case.head_dim} (the tuner drops it)")
+    reasons = _gluon_reasons(case.make(), VARIANTS[kernel], case.causal, **case.modifiers)
     assert not reasons, reasons
-    _check(attnzoo.get("triton_2kernel", configs={"dkdv": dkdv}), case)
+    _check(attnzoo.get("triton_2kernel", configs={kernel: cfg}), case)
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
 

@@ -49,10 +49,11 @@ def test_outputs_leave_every_kernel_in_16_byte_stores():
             assert {w.split("x", 1)[1] for w in stores.group(2).split()} == {".v4.f32"}, line
 
 
-@pytest.mark.parametrize("kernel", ["forward", "dkdv"])
+@pytest.mark.parametrize("kernel", ["forward", "dkdv", "dq"])
 def test_the_gluon_kernels_keep_a_product_in_flight_during_the_softmax(kernel):
-    """The Gluon Hopper kernels exist to overlap the softmax (forward) or the softmax gradient (dK/dV) with matrix
-    products: their loops must wait for the wgmma groups with one still in flight ("wait 1"). Spills stay out of
+    """The Gluon Hopper kernels exist to overlap the softmax (forward) or the softmax gradient (dK/dV, dQ) with matrix
+    products: their loops must wait for the wgmma groups with one still in flight ("wait 1"; the dQ kernel's loop
+    with two, its dQ and dP products, while it exponentiates: "wait 2"). Spills stay out of
     the forward's candidates and out of the dK/dV candidates without a mask (the causal diagonal's mask costs a few
     registers at the 255 limit; Triton 3.6 and 3.9 spill at most a few words there).  The persistent forward keeps
     its loop over Q blocks at the 168-register limit of two warpgroups and a producer warp: this report's plain
@@ -75,15 +76,15 @@ def test_the_gluon_kernels_keep_a_product_in_flight_during_the_softmax(kernel):
                 limit = 32 if (kernel == "dkdv" or cfg.persistent) and causal else 0
                 assert int(spills.group(1)) <= limit and int(spills.group(2)) <= limit, line
                 waits = re.search(r"wgmma waits (.*)$", line).group(1).split()
-                assert any(w.endswith("x1") for w in waits), line
+                assert any(w.endswith("x2" if kernel == "dq" else "x1") for w in waits), line
 
 
-@pytest.mark.parametrize("kernel", ["forward", "dkdv"])
+@pytest.mark.parametrize("kernel", ["forward", "dkdv", "dq"])
 def test_the_gluon_kernels_compile_for_packed_batches(kernel):
-    """The packed-batch (varlen) build of each one-block-per-program Gluon config (forward and dK/dV) compiles with
+    """The packed-batch (varlen) build of each one-block-per-program Gluon config (forward, dK/dV, dQ) compiles with
     a product kept in flight.  The zeroing of the rows past a sequence spills a few words there (the forward's
     producer warp: 8-28 B stored, once per Q block; dK/dV at D = 128 with the causal mask, at the 255-register
-    limit: a few words)."""
+    limit, and the dQ kernel's 128-row tile at its 168: a few words)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     from attnzoo.kernels.tuning import CANDIDATES
 
@@ -93,7 +94,8 @@ def test_the_gluon_kernels_compile_for_packed_batches(kernel):
                               "varlen")  # fmt: skip
         spills = re.search(r"spill (\d+)/(\d+) B", line)
         assert spills and int(spills.group(1)) <= 64 and int(spills.group(2)) <= 128, line
-        assert any(w.endswith("x1") for w in re.search(r"wgmma waits (.*)$", line).group(1).split()), line
+        in_flight = "x2" if kernel == "dq" else "x1"
+        assert any(w.endswith(in_flight) for w in re.search(r"wgmma waits (.*)$", line).group(1).split()), line
 
 
 def test_the_five_product_backward_adds_dq_by_tma_reductions():
@@ -129,3 +131,15 @@ def test_the_fp8_forward_multiplies_fp8_on_the_tensor_cores():
             assert re.search(r"spill 0/0 B", line), line
             if config.endswith("gluon"):
                 assert any(w.endswith("x1") for w in re.search(r"wgmma waits (.*)$", line).group(1).split()), line
+
+
+def test_the_gluon_dq_kernel_needs_two_ring_slots():
+    """The Gluon dQ kernel's iteration j reads K tile j - 1 (its dQ product) and tile j (S): a one-slot ring would wait
+    forever on the GPU, so its launcher refuses it before anything runs."""
+    import torch
+
+    from attnzoo.kernels.backward_gluon_dq import attention_dq_hopper
+
+    x, stats = torch.randn(1, 1, 64, 64), torch.randn(1, 1, 64)
+    with pytest.raises(ValueError, match="num_stages=1"):
+        attention_dq_hopper(x, x, x, x, x, stats, stats, stats, x, 0.1, False, None, num_stages=1)

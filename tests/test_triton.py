@@ -331,19 +331,19 @@ def test_descriptor_loads_need_aligned_rows_and_a_unit_last_stride():
 
 def test_a_gluon_config_outside_the_hopper_scope_runs_its_triton_twin():
     """A ``gluon`` config runs a Gluon Hopper kernel only where it can (``KernelVariant.gluon_scope``); here (the
-    interpreter, or float32 on a GPU) the forward and the dK/dV kernel run their Triton kernels with the same tiles:
-    the same bits."""
+    interpreter, or float32 on a GPU) the forward, the dQ and the dK/dV kernel run their Triton kernels with the same
+    tiles: the same bits."""
     q, k, v, do, sl = _inputs(2, 2, 1, 37, 53, 40, [46, 0])
     triton_cfg = KernelConfig(16, 16, 1, 1)
     gluon_cfg = dataclasses.replace(triton_cfg, gluon=True)
     gluon_call = prepare(
-        q, k, v, validate_forward(q, k, v, True, None, sl), forced=dict.fromkeys(("forward", "dkdv"), gluon_cfg)
+        q, k, v, validate_forward(q, k, v, True, None, sl), forced=dict.fromkeys(("forward", "dq", "dkdv"), gluon_cfg)
     )
-    for variant in (KernelVariant.FORWARD, KernelVariant.DKDV):
-        reasons = gluon_call.gluon_reasons(variant, do)
+    for variant, extra in ((KernelVariant.FORWARD, ()), (KernelVariant.DKDV, (do,)), (KernelVariant.DQ, (do, do))):
+        reasons = gluon_call.gluon_reasons(variant, *extra)
         assert any("seqlens_k" in r or "interpreter" in r or "Gluon" in r for r in reasons), reasons
-    assert gluon_call.gluon_reasons(KernelVariant.DQ) == ["dq has no Gluon kernel"]
-    gluon = attnzoo.get("triton_2kernel", configs={"forward": gluon_cfg, "dq": triton_cfg, "dkdv": gluon_cfg})
+    assert gluon_call.gluon_reasons(KernelVariant.ATOMIC_RECOMPUTE) == ["atomic:recompute has no Gluon kernel"]
+    gluon = attnzoo.get("triton_2kernel", configs=dict.fromkeys(("forward", "dq", "dkdv"), gluon_cfg))
     twin = attnzoo.get("triton_2kernel", configs=dict.fromkeys(("forward", "dq", "dkdv"), triton_cfg))
     o, lse = gluon.forward(q, k, v, causal=True, seqlens_k=sl)
     o_twin, lse_twin = twin.forward(q, k, v, causal=True, seqlens_k=sl)
@@ -354,7 +354,7 @@ def test_a_gluon_config_outside_the_hopper_scope_runs_its_triton_twin():
         assert torch.equal(got, twin)
 
 
-@pytest.mark.parametrize("kernel", ["forward", "dkdv"])
+@pytest.mark.parametrize("kernel", ["forward", "dkdv", "dq"])
 def test_gluon_candidates_are_tuned_only_where_the_gluon_kernel_runs(monkeypatch, kernel):
     """Outside a Gluon kernel's scope a ``gluon`` candidate would launch the Triton kernel with the same tiles: the
     tuner drops it instead of timing one kernel twice; inside the scope it is a candidate like any other."""

@@ -17,6 +17,7 @@ from attnzoo import tune
         (["--N", "x"], "--d/--N"),
         (["--workers", "0"], "--workers must be >= 1"),
         (["--layout", "padded"], "argument --layout: invalid choice"),
+        (["--kernels", "dq,backward"], "--kernels: comma list of forward, dq, dkdv, atomic"),
     ],
 )
 def test_bad_flags_are_usage_errors(argv, message, capsys):
@@ -30,6 +31,11 @@ def test_layout_picks_dense_packed_or_both():
     assert tune.parse_args([]).packed_layouts == (False,)
     assert tune.parse_args(["--layout", "packed"]).packed_layouts == (True,)
     assert tune.parse_args(["--layout", "both"]).packed_layouts == (False, True)
+
+
+def test_kernels_restricts_the_timing():
+    assert tune.parse_args([]).kernel_names is None
+    assert tune.parse_args(["--kernels", "dq,dkdv"]).kernel_names == ("dq", "dkdv")
 
 
 def test_lengths_read_k_suffixes():

@@ -1,7 +1,7 @@
 """``triton_2kernel``: Triton FA2 forward; backward without atomics (a Q-stationary dQ kernel that also computes
-Delta, then a K/V-stationary dK/dV kernel).  On Hopper the tuner may pick Gluon versions of the forward and of the
-dK/dV kernel (``kernels/forward_gluon.py``, ``kernels/backward_gluon.py``).  The kernels live in
-:mod:`attnzoo.kernels`; what both Triton backends share in :mod:`._triton_base`.
+Delta, then a K/V-stationary dK/dV kernel).  On Hopper the tuner may pick Gluon versions of the forward and of both
+backward kernels (``kernels/forward_gluon.py``, ``kernels/backward_gluon.py``, ``kernels/backward_gluon_dq.py``).
+The kernels live in :mod:`attnzoo.kernels`; what both Triton backends share in :mod:`._triton_base`.
 
 On CPU tensors the kernels run through the Triton interpreter (``TRITON_INTERPRET=1``, set before Triton is
 imported); that path is for tests only and is never picked by ``backend="auto"``.
@@ -34,7 +34,7 @@ class Triton2Kernel(TritonBackend):
     capabilities = Capabilities(
         summary=(
             "Triton FA2 forward; backward without atomics: Q-stationary dQ (and Delta), K/V-stationary dK/dV; on "
-            "Hopper also Gluon forward and dK/dV kernels that overlap the softmax with the products"
+            "Hopper also Gluon forward, dK/dV and dQ kernels that overlap the softmax with the products"
         ),
         devices=frozenset({"cuda", "cpu"}),
         dtypes=TRITON_DTYPES,

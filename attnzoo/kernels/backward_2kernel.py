@@ -24,6 +24,7 @@ import triton.language as tl
 from triton.compiler.errors import CompilationError
 
 from .backward_gluon import attention_dkdv_hopper
+from .backward_gluon_dq import attention_dq_hopper
 from .common import (
     LOG2E,
     alibi_slope2,
@@ -367,6 +368,7 @@ def attention_backward_2kernel(
     dv = call.new_output(v.shape, q.dtype)
     qk_scale = call.scale * LOG2E
     hopper_dkdv = not call.gluon_reasons(KernelVariant.DKDV, do)
+    hopper_dq = not call.gluon_reasons(KernelVariant.DQ, do, o)
     modifiers = call.modifiers
 
     def launch_dkdv(cfg) -> None:
@@ -394,6 +396,16 @@ def attention_backward_2kernel(
         )  # fmt: skip
 
     def launch_dq(cfg) -> None:
+        if cfg.gluon and hopper_dq:
+            try:
+                attention_dq_hopper(
+                    q, k, v, o, do, lse, lse2, delta, dq, call.scale, call.causal, modifiers,
+                    cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                    varlen=call.varlen_args if call.varlen else None,
+                )  # fmt: skip
+                return
+            except CompilationError as error:  # as in launch_dkdv
+                record_compile_failure(error)
         num_m_blocks = call.q_slots(cfg.block_m)
         use_tma, k_desc, v_desc = call.kv_tile_descriptors(cfg)
         programs = call.q_programs(cfg.block_m)
@@ -408,6 +420,6 @@ def attention_backward_2kernel(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
-    run(call, KernelVariant.DQ, launch_dq)  # first: it writes lse2 and Delta
+    run(call, KernelVariant.DQ, launch_dq, gluon_in_scope=hopper_dq)  # first: it writes lse2 and Delta
     run(call, KernelVariant.DKDV, launch_dkdv, gluon_in_scope=hopper_dkdv)
     return dq, dk, dv

@@ -90,7 +90,7 @@ if TYPE_CHECKING:
 if gluon is not None:
 
     @gluon.jit
-    def _mask_scores(
+    def mask_scores(
         s, rows, keys, diagonal_offset, seqlen_k, window_left, window_right,
         CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
     ):  # fmt: skip
@@ -328,7 +328,7 @@ if gluon is not None:
             )  # fmt: skip
             step_scale = 1.0
         if (unmasked_tiles == 0) | (left_tiles > 0):
-            s = _mask_scores(
+            s = mask_scores(
                 s, rows, keys, diagonal_offset, seqlen_k, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT
             )
         m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
@@ -375,7 +375,7 @@ if gluon is not None:
                     ALIBI,
                 )  # fmt: skip
             if (j >= unmasked_tiles) | (j < left_tiles):
-                s = _mask_scores(
+                s = mask_scores(
                     s, rows, keys, diagonal_offset, seqlen_k, window_left, window_right, CAUSAL, WINDOW_LEFT,
                     WINDOW_RIGHT,
                 )  # fmt: skip
@@ -492,7 +492,7 @@ if gluon is not None:
                                  NUM_WARPGROUPS, BLOCK_D2 > 0)  # fmt: skip
 
     @gluon.jit
-    def _q_block(
+    def q_block_tiles(
         tile, problem, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
         WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
     ):  # fmt: skip
@@ -569,7 +569,7 @@ if gluon is not None:
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             q_round = (tile - gl.program_id(0)) // gl.num_programs(0)
             (bh, batch, head, kv_head, start_m, start, left_tiles, unmasked_tiles, n_tiles, slope2, seqlen_q,
-             seqlen_k, packed) = _q_block(_round_tile(tile, num_tiles, CAUSAL), problem, 128, BLOCK_N, CAUSAL,
+             seqlen_k, packed) = q_block_tiles(_round_tile(tile, num_tiles, CAUSAL), problem, 128, BLOCK_N, CAUSAL,
                                           WINDOW_LEFT, WINDOW_RIGHT, ALIBI, False)  # fmt: skip
             scalars = (bh, batch, head, kv_head, start_m, seqlen_q, seqlen_k, start, left_tiles, unmasked_tiles,
                        n_tiles, qk_scale, q_round & 1, kv_base, 1.0)  # fmt: skip
@@ -590,7 +590,7 @@ if gluon is not None:
         kv_base = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             q_round = (tile - gl.program_id(0)) // gl.num_programs(0)
-            _, batch, head, kv_head, start_m, start, _, _, n_tiles, _, _, seqlen_k, _ = _q_block(
+            _, batch, head, kv_head, start_m, start, _, _, n_tiles, _, _, seqlen_k, _ = q_block_tiles(
                 _round_tile(tile, num_tiles, CAUSAL), problem, 128, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, False,
                 False,
             )  # fmt: skip
@@ -643,7 +643,7 @@ if gluon is not None:
                    alibi_ptr, stride_alibi_b, stride_alibi_h, (cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps),
                    (total_q, o_ptr, stride_o_row))  # fmt: skip
         (bh, batch, head, kv_head, start_m, start, left_tiles, unmasked_tiles, n_tiles, slope2, seqlen_q, seqlen_k,
-         packed) = _q_block(gl.program_id(0), problem, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, ALIBI,
+         packed) = q_block_tiles(gl.program_id(0), problem, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, ALIBI,
                             VARLEN)  # fmt: skip
         if VARLEN:  # noqa: SIM102 - a compile-time branch around a runtime one
             if start_m >= seqlen_q:  # an idle slot of the packed grid

@@ -580,6 +580,17 @@ _GLUON_SCOPES = {
         alibi=True,
         varlen=True,
     ),
+    # Its windows, soft cap, ALiBi and packed batches: tests/test_gpu_score_modifiers.py::test_gluon_dq_applies_each_
+    # modifier and tests/test_gpu_varlen.py (the gluon configs pinned).
+    KernelVariant.DQ: GluonScope(
+        "backward_gluon_dq.py",
+        needs_positive_scale=False,
+        extra_tma_operands=("do", "o"),  # o is read by pointer loads; the check keeps its rows contiguous
+        window=True,
+        softcap=True,
+        alibi=True,
+        varlen=True,
+    ),
 }
 # The same kernel with dQ added atomically (the five-product backward, in any or a fixed order): dense calls, checked
 # by tests/test_gpu.py::test_five_product_backward_matches_the_oracle and the two tests named above.

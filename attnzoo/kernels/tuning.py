@@ -175,6 +175,12 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         # tile pairs; docs/design.md).
         KernelConfig(128, 64, 8, 3, tma=True),
         KernelConfig(64, 64, 4, 3, tma=True),
+        # The Gluon Hopper dQ kernel (``backward_gluon_dq.py``: the softmax-gradient arithmetic overlapped with the
+        # products; BLOCK_M = 16 * num_warps, one warpgroup per 64 rows; three slots give each K/V copy an
+        # iteration of lead).
+        KernelConfig(128, 64, 8, 3, gluon=True),
+        KernelConfig(64, 64, 4, 2, gluon=True),
+        KernelConfig(64, 64, 4, 3, gluon=True),
     ],
     # Q-stationary backward with atomic dK/dV.
     "atomic": [
@@ -322,8 +328,8 @@ class Autotuner:
         reset: Callable[[], None] | None,
     ) -> KernelConfig:
         """The config of a key seen for the first time in this process (the lookup order of the module docstring)."""
-        timing = _timing_requested()
-        if _forced_timing is not True:  # inside autotuning() every key is timed afresh
+        timing = _timing_requested() and _times_kernel(key[0])
+        if not (_forced_timing is True and timing):  # inside autotuning() every key it times is timed afresh
             identity = _device_identity(key[-1])
             if identity is not None:
                 text = key_text(key)
@@ -513,30 +519,38 @@ def heuristic_pick(variant: str, block_d: int, configs: list[KernelConfig]) -> K
 
 # -- when to time ----------------------------------------------------------------------------------------------------
 _forced_timing: bool | None = None  # set by autotuning(): True times every key afresh, False never times
+_timed_kernels: frozenset[str] | None = None  # set by autotuning(kernels=...): the kernels it times (None: all)
 
 
 def _timing_requested() -> bool:
     return autotune_requested() if _forced_timing is None else _forced_timing
 
 
+def _times_kernel(variant: str) -> bool:
+    """Whether timing applies to the kernel of tuning-key variant ``variant`` (``"dq"``, ``"atomic:ordered"``)."""
+    return _timed_kernels is None or variant.split(":")[0] in _timed_kernels
+
+
 @contextlib.contextmanager
-def autotuning(enabled: bool = True) -> Iterator[None]:
+def autotuning(enabled: bool = True, kernels: Iterable[str] | None = None) -> Iterator[None]:
     """Inside, calls time their kernels' candidates (``enabled``) and store the winners on disk, or never time.
 
     ``enabled=True`` ignores the disk cache and the shipped table: each key is timed once more in this process (what
     ``python -m attnzoo tune`` and the benchmark want); configs remembered untimed are forgotten on entry.
-    ``enabled=False`` overrides ``ATTNZOO_AUTOTUNE=1``.
+    ``kernels`` (names of ``CANDIDATES``, e.g. ``("dq",)``): only their keys are timed; the other kernels run their
+    stored, shipped or heuristic configs, untimed.  ``enabled=False`` overrides ``ATTNZOO_AUTOTUNE=1``.
     """
-    global _forced_timing
-    previous = _forced_timing
+    global _forced_timing, _timed_kernels
+    previous = _forced_timing, _timed_kernels
+    _timed_kernels = None if kernels is None else frozenset(kernels)
     if enabled:
-        for key in [k for k, source in AUTOTUNER.sources.items() if source != "timed"]:
+        for key in [k for k, source in AUTOTUNER.sources.items() if source != "timed" and _times_kernel(k[0])]:
             AUTOTUNER.forget(key)
     _forced_timing = bool(enabled)
     try:
         yield
     finally:
-        _forced_timing = previous
+        _forced_timing, _timed_kernels = previous
 
 
 def tuned_report() -> dict[str, str]:
