@@ -193,9 +193,24 @@ def test_autotuning_context_times_despite_stored_winners(tuner):
         assert not tuning.autotune_enabled()
 
 
+def test_autotuning_of_some_kernels_leaves_the_others_to_their_stored_winners(tuner):
+    """``autotuning(kernels=("dq",))`` (``python -m attnzoo tune --kernels dq``) times the dQ kernel's keys only: a
+    forward key keeps its shipped winner, untimed."""
+    dq_key = ("dq", *GRID_KEY[1:])
+    events: list = []
+    winner = KernelConfig(64, 64, 4, 3)
+    tuner.choose = _fake_timing(winner, events)
+    with tuning.autotuning(kernels=("dq",)):
+        forward = tuning.launch_with_best(GRID_KEY, lambda: tuning.CANDIDATES["forward"], lambda c: None)
+        assert tuner.sources[GRID_KEY] == "shipped" and not events
+        assert tuning.launch_with_best(dq_key, lambda: tuning.CANDIDATES["dq"], lambda c: None, lambda: None) == winner
+    assert events and tuner.sources[dq_key] == "timed" and tuner.sources[GRID_KEY] == "shipped"
+    assert str(forward) == tuning.shipped_winners(H100)[tuning.key_text(GRID_KEY)]
+
+
 def test_shipped_table_reads_back_from_the_logs(tmp_path):
     """The shipped H100 table is what bench/ship_tuning.py makes of the committed logs it names (the dense grids,
-    the packed keys' tuning, the FP8 bench, the short-forward and D = 256 runs, the atomic kernel's tuning), and its
+    the packed keys' tuning, the FP8 bench, the short-forward and D = 256 runs, the dQ kernel's tuning), and its
     configs are all current
     candidates."""
     shipped = json.loads((ROOT / "attnzoo" / "tuning_data" / "nvidia-h100-80gb-hbm3.json").read_text())
@@ -209,6 +224,7 @@ def test_shipped_table_reads_back_from_the_logs(tmp_path):
         "h100_short_fwd_d64.log",
         "h100_d256.log",
         "h100_d256_fwd.log",
+        "h100_dq_tuning.log",
     ]
     winners = tuning.write_shipped_table([ROOT / "bench" / "results" / s for s in sources], H100.name, tmp_path / "t")
     assert shipped["gpu"] == H100.name and shipped["winners"] == winners
@@ -216,7 +232,7 @@ def test_shipped_table_reads_back_from_the_logs(tmp_path):
     # either Delta), and 32 packed ones (fp16/bf16, D 64/128, the 4k bucket, causal or not: forward, dq, dkdv and the
     # atomic kernel with Delta precomputed, as `tune` runs it), 6 FP8 forward ones (D 128, 4k-16k, causal or not), and
     # 12 at D = 256 (the forward at fp16/bf16, bf16's dK/dV; N 2k and 8k, causal or not).  The short-forward logs
-    # retune keys the grids have, and so does the atomic kernel's tuning (its Gluon five-product configs).
+    # retune keys the grids have, and so does the dQ kernel's tuning (its Gluon configs; dense and packed keys).
     assert len(winners) == 250 and sum(" varlen" in key for key in winners) == 32
     assert sum("float8_e4m3fn" in key for key in winners) == 6 and sum("BLOCK_D=256" in key for key in winners) == 12
     for text, cfg in winners.items():

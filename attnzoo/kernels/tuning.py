@@ -484,7 +484,8 @@ HEURISTIC_ORDER: dict[tuple[str, bool], tuple[str, ...]] = {
     ("dkdv", True): ("64x64 w4 s3", "32x128 w4 s3"),
     ("dkdv", False): ("64x64 w4 s2 gluon", "32x64 w4 s3"),
     ("dq", True): ("64x64 w4 s3 tma", "64x64 w4 s3"),
-    ("dq", False): ("128x64 w8 s3 tma", "128x64 w8 s3"),
+    # The Gluon dQ kernel's 128-row tile won all 24 D = 128 keys of its tuning (bench/results/h100_dq_tuning.log).
+    ("dq", False): ("128x64 w8 s3 gluon", "128x64 w8 s3 tma", "128x64 w8 s3"),
     # The atomic kernel: the Gluon five-product configs won every dense key of the grids (64x64 w4 at D = 64,
     # 64x128 w8 at D = 128); without Gluon, the Triton kernel's winner of bench/results/h100_atomic_tuning.log.
     ("atomic", True): ("64x64 w4 s2 gluon", "128x64 w8 s2"),
