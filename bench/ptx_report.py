@@ -50,6 +50,11 @@ def _ptxas() -> str:
     return tool.path
 
 
+def _nvdisasm() -> str:
+    """The disassembler beside that ptxas (Triton ships both)."""
+    return os.path.join(os.path.dirname(_ptxas()), "nvdisasm")
+
+
 def source(
     kernel, dtype: str, d: int, cfg: KernelConfig, causal: bool, q_tail: bool, modifiers: frozenset[str] = frozenset()
 ) -> ASTSource:
@@ -188,10 +193,14 @@ def report(
     path = f"/tmp/attnzoo_{kernel_name}_{os.getpid()}.ptx"
     with open(path, "w") as fh:
         fh.write(ptx)
+    cubin = path[: -len(".ptx")] + ".cubin"
     try:
-        out = subprocess.run([_ptxas(), "-v", "--gpu-name", "sm_90a", path, "-o", "/dev/null"], capture_output=True)
+        out = subprocess.run([_ptxas(), "-v", "--gpu-name", "sm_90a", path, "-o", cubin], capture_output=True)
+        sass = subprocess.run([_nvdisasm(), "-c", cubin], capture_output=True).stdout.decode()
     finally:
-        os.remove(path)
+        for file in (path, cubin):
+            if os.path.exists(file):
+                os.remove(file)
     text = out.stdout.decode() + out.stderr.decode()
 
     def number(pattern: str) -> int:
@@ -209,6 +218,10 @@ def report(
         ),
         # Asynchronous products waited for with some still in flight ("wait 1") are what overlaps the softmax.
         mma_waits=collections.Counter(re.findall(r"\bwgmma\.wait_group\.sync\.aligned (\d+)", ptx)),
+        # Warp-specialised kernels: ptxas reports the launch count (65536 registers over all threads), but
+        # `setmaxnreg` raises the consumer partitions above it, and the code there uses what the SASS names.
+        maxnreg=sorted({int(n) for n in re.findall(r"\bsetmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+        registers_in_code=1 + max((int(n) for n in re.findall(r"\bR(\d+)\b", sass)), default=-1),
         # Per-thread reductions by width, and the TMA reductions of a shared-memory tile ("tma": its element type is
         # in the tensor map, not the instruction).
         reductions=collections.Counter(re.findall(r"\bred\.global(?:\.\w+)*?\.add((?:\.v\d)?\.[bf]\d+)", ptx))
@@ -253,9 +266,14 @@ def main(argv: list[str] | None = None) -> int:
             for cfg in configs:
                 r = report(name, args.dtype, d, cfg, args.causal, args.q_tail, modifiers, args.dv)
                 widths = lambda counts: " ".join(f"{n}x{w}" for w, n in sorted(counts.items())) or "-"  # noqa: E731
+                partitions = (
+                    f" (setmaxnreg {'/'.join(map(str, r['maxnreg']))}; {r['registers_in_code']} used in the code)"
+                    if r["maxnreg"]
+                    else ""
+                )
                 print(
                     f"{name} {args.dtype} D={d}{f' Dv={args.dv}' if args.dv else ''} {cfg}: "
-                    f"{r['registers']} registers, {r['shared_bytes']} B shared memory, "
+                    f"{r['registers']} registers{partitions}, {r['shared_bytes']} B shared memory, "
                     f"spill {r['spill_stores']}/{r['spill_loads']} B stored/loaded, "
                     f"products {widths(r['products'])}, "
                     f"stores {widths(r['stores'])}, reductions {widths(r['reductions'])}, "

@@ -13,7 +13,8 @@ and ``dS = P * (dP - Delta)``, entered with ``dS_{j-1}`` in registers:
 
 It is the forward's loop (``forward_gluon.py``) with the online softmax replaced by the stored ``lse2`` and a third
 product.  Only dS crosses the iteration (16 registers of 16-bit values per thread for a 64 x 64 tile, where P and dP
-would hold 64 of float32): a warpgroup of the warp-specialised block has 168 registers.  As in the forward, a block
+would hold 64 of float32): the warpgroups of the warp-specialised block run at the 248 and 232 registers that
+``setmaxnreg`` gives them (the forward's split), and the loop uses 195 at D = 128.  As in the forward, a block
 of 64 rows is one warpgroup that refills its K/V slots itself; a block of 128 rows is two warpgroups and a producer
 warp (``gl.warp_specialize``) that loads every tile, and the warpgroups drift apart, so that one's arithmetic runs
 under the other's products.  Q and dO are resident (one TMA load each); K and V stream through rings of NUM_STAGES

@@ -759,8 +759,10 @@ if gluon is not None:
         else:
             gl.static_assert(NUM_WARPGROUPS == 2, "one or two warpgroups per Q block")
             # Constexpr arguments go to the partitions as literals: a constexpr held in a variable would reach a
-            # worker partition as a runtime value in Triton 3.6.  A partition's register count (the third list)
-            # applies only where the kernel sets maxnreg; ptxas gives every thread 168 (65536 / 384 threads).
+            # worker partition as a runtime value in Triton 3.6.  The third list is each worker partition's register
+            # count, set by `setmaxnreg` once the partitions start: the second computing warpgroup rises to 232, the
+            # producer warp's warpgroup (padded to four warps) drops to 24, and the default partition takes what is
+            # left, 248 (the launch count that ptxas reports is 168, 65536 over 384 threads).
             gl.warp_specialize(
                 [
                     (_attend_rows, (k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars, modifiers, packed,
