@@ -648,6 +648,10 @@ def test_wide_tiles_take_the_configs_timed_at_d192(monkeypatch):
     no_tma = [c for c in tuning.candidates("dq", 256, torch.float16, cpu, block_dv=128) if not c.tma]
     assert str(pick("dq", 256, no_tma)) == "128x32 w8 s3"
     assert str(pick("atomic", 256, tuning.candidates("atomic", 256, torch.float16, cpu))) == "128x32 w8 s2"
+    # The Gluon forward: its 128 x 128 tile where that fits (D = 192, Dv = 128), else its 128 x 64 one (D = 256).
+    for dims, forward in (((192, 128), "128x128 w8 s2 gluon"), ((256, 256), "128x64 w8 s2 gluon")):
+        fitting = tuning.candidates("forward", 256, torch.float16, cpu, gluon_head_dims=dims)
+        assert str(pick("forward", 256, fitting)) == forward
     wide_v, narrow_v = (tuning.candidates("forward", 256, torch.float16, cpu, block_dv=dv) for dv in (256, 128))
     assert str(pick("forward", 256, [c for c in wide_v if not c.gluon])) == "64x32 w4 s2"
     assert str(pick("forward", 256, [c for c in narrow_v if not c.gluon])) == "128x64 w8 s3 tma"

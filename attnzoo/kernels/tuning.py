@@ -135,6 +135,9 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         KernelConfig(64, 64, 4, 3, gluon=True),
         KernelConfig(128, 128, 8, 2, gluon=True),
         KernelConfig(128, 128, 8, 3, gluon=True),
+        # The 128-row tile that fits the shared memory at D = 256 (a 64 x 256 float32 O per warpgroup, held in the
+        # 232-248 registers that setmaxnreg gives the consumers): 1.26-1.53x the 64-row tiles there (docs/design.md).
+        KernelConfig(128, 64, 8, 2, gluon=True),
         # Persistent: one program per SM runs Q blocks in turn, the next block's first K/V tile loading under this
         # one's epilogue (short sequences, where a block has 1-8 K/V tiles and its prologue and epilogue weigh).
         # On the H100 it won fp16 D=128 1k full (+2-4%) and D=192 full (+3%), and lost elsewhere (docs/design.md).
@@ -494,13 +497,14 @@ HEURISTIC_ORDER: dict[tuple[str, bool], tuple[str, ...]] = {
 
 
 # Tiles of 256 columns (D = 192 and 256).  The lists are timed at D = 192, Dv = 128 (bf16, N = 8k, full and causal,
-# bench/results/h100_d192_tuning.log): the Gluon forward; dQ 64x64 w4 s3 with TMA (the next, 128x32 w8 s3, took
-# 1.7-2.0x its time); dK/dV 32x128 w8 s3 (within 3% of the best in both masks; 64x32 w8 s2, the tile without spills,
-# took 1.9-2.3x).  ptxas counts spills in most of these tiles (bench/ptx_report.py), but its counts ranked them
-# wrongly.  Where Dv = 256 too, the shared memory drops the first entries; the later ones are ptxas's ranking (fewest
-# spill bytes), not timed.
+# bench/results/h100_d192_tuning.log): the Gluon forward (its 128 x 64 tile where 128 x 128 does not fit, D = 256: the
+# tuner's pick at every D = 256 key, bench/results/h100_d256_fwd_ws.log); dQ 64x64 w4 s3 with TMA (the next,
+# 128x32 w8 s3, took 1.7-2.0x its time); dK/dV 32x128 w8 s3 (within 3% of the best in both masks; 64x32 w8 s2, the tile
+# without spills, took 1.9-2.3x).  ptxas counts spills in most of these tiles (bench/ptx_report.py), but its counts
+# ranked them wrongly.  Where Dv = 256 too, the shared memory drops the first entries; the later ones are ptxas's
+# ranking (fewest spill bytes), not timed.
 WIDE_HEURISTIC_ORDER: dict[str, tuple[str, ...]] = {
-    "forward": ("128x128 w8 s2 gluon", "128x64 w8 s3 tma", "64x32 w4 s2"),
+    "forward": ("128x128 w8 s2 gluon", "128x64 w8 s2 gluon", "128x64 w8 s3 tma", "64x32 w4 s2"),
     "dkdv": ("32x128 w8 s3", "64x32 w8 s2"),
     "dq": ("64x64 w4 s3 tma", "128x32 w8 s3", "64x32 w4 s2"),
     "atomic": ("128x32 w8 s2",),
