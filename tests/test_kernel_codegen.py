@@ -143,3 +143,18 @@ def test_the_gluon_dq_kernel_needs_two_ring_slots():
     x, stats = torch.randn(1, 1, 64, 64), torch.randn(1, 1, 64)
     with pytest.raises(ValueError, match="num_stages=1"):
         attention_dq_hopper(x, x, x, x, x, stats, stats, stats, x, 0.1, False, None, num_stages=1)
+
+
+def test_the_warp_specialised_forward_holds_a_256_column_o_above_the_launch_registers():
+    """Gluon's warp specialisation raises the computing warpgroups to 248 and 232 registers and lowers the producer
+    warp's to 24 (``setmaxnreg``), above the 168 a thread of the 384 gets at launch: the forward's 128 x 64 tile at
+    D = 256 (a 64 x 256 float32 O per warpgroup, 128 registers a thread) uses more than 168 in its SASS, without
+    spills, full and causal."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    for causal in ((), ("--causal",)):
+        (line,) = _ptx_report("--kernel", "forward", "--d", "256", "--config", "128,64,8,2,gluon", *causal)
+        found = re.search(r"(\d+) registers \(setmaxnreg ([\d/]+); (\d+) used in the code\)", line)
+        assert found, line
+        launch, counts, used = int(found.group(1)), {int(n) for n in found.group(2).split("/")}, int(found.group(3))
+        assert launch == 168 and {24, 232, 248} <= counts and launch < used <= 232, line
+        assert re.search(r"spill 0/0 B", line), line
