@@ -3,6 +3,7 @@
 #   bash bench/h100.sh grid fp16 64    # the timing grid of one dtype and head dim -> $OUT/h100_bench_fp16_d64.csv
 #   bash bench/h100.sh grid fp16 128   # (one head dim per call leaves time to re-measure inconsistent shapes)
 #   bash bench/h100.sh grid bf16 64 ...
+#   bash bench/h100.sh shipped fp16 128  # the same grid on the shipped table, no tuning -> $OUT/h100_grid_fp16_d128.csv
 #   bash bench/h100.sh io              # ncu DRAM bytes -> $OUT/h100_io_ncu.csv (+ theory CSV)
 #   bash bench/h100.sh decode          # the decoding benchmark, eager calls and CUDA-graph replays -> $OUT/h100_decode.*
 #   bash bench/h100.sh varlen          # packed batches against dense, Flex and padded SDPA -> $OUT/h100_varlen.*
@@ -26,6 +27,17 @@ grid)
     python -m attnzoo tune --compile-only --quiet --dtype "$dtype" --d "$dims" --workers "${WORKERS:-14}"
     python -m attnzoo bench --autotune --dtype "$dtype" --d "$dims" --N 1k,2k,4k,8k,16k --causal both --mode fwd,train \
         --impl "$IMPLS" --warmup 3 --repeat 10 --time-budget-s "${BUDGET:-480}" --recheck "${RECHECK:-1.15}" \
+        --out "$OUT/$name.csv" 2>&1 | tee "$OUT/$name.log" | grep -v '^\[' ;;
+shipped)
+    # The grid on the shipped table as a first call finds it (no tuning in the run), one dtype and head dim per call:
+    # -> $OUT/h100_grid_<dtype>_d<D>.csv; bench/results/h100_grid_shipped_<dtype>.csv joins a dtype's parts.
+    dtype=${2:-fp16}
+    d=${3:-128}
+    name=h100_grid_${dtype}_d$d
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
+    python -m attnzoo bench --dtype "$dtype" --d "$d" --N 1k,2k,4k,8k,16k --causal both --mode fwd,train \
+        --impl "${SHIPPED_IMPLS:-triton_2kernel,triton_atomic,sdpa_flash,sdpa_cudnn,flex_attention}" --warmup 3 \
+        --repeat 10 --time-budget-s "${BUDGET:-240}" --recheck "${RECHECK:-1.15}" \
         --out "$OUT/$name.csv" 2>&1 | tee "$OUT/$name.log" | grep -v '^\[' ;;
 merge)
     # The per-head-dim parts of one dtype (in bench/results) -> one CSV (header once) and one log.
@@ -64,6 +76,6 @@ tests)
     echo "gpu tests, $part: $(grep -c ' PASSED' "$OUT/gpu_$part.log") passed, $(grep -c ' FAILED' "$OUT/gpu_$part.log") failed"
     grep -E ' FAILED|^E ' "$OUT/gpu_$part.log" | head -20 ;;
 *)
-    echo "usage: bash bench/h100.sh grid fp16|bf16 [D] | merge fp16|bf16 | io | decode | varlen | tests dense|modifiers|features|big" >&2
+    echo "usage: bash bench/h100.sh grid fp16|bf16 [D] | shipped fp16|bf16 [D] | merge fp16|bf16 | io | decode | varlen | tests dense|modifiers|features|big" >&2
     exit 2 ;;
 esac
