@@ -46,6 +46,7 @@ from .common import LOG2E, softcap_scores
 from .forward_gluon import KERNEL_WARPS
 from .gluon_hopper import (
     accumulator_layout,
+    check_warpgroup_rows,
     cta_barrier,
     fence_async_shared,
     gl,
@@ -484,11 +485,7 @@ def attention_dq_hopper(
         sequences = (lse, lse, 0, 0)  # not read
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    if block_m not in (64, 128) or block_m != 16 * num_warps:
-        raise ValueError(
-            f"block_m={block_m} with num_warps={num_warps}: the kernel runs one warpgroup (4 warps) per 64 rows, "
-            "block_m = 64 or 128"
-        )
+    check_warpgroup_rows(block_m, num_warps)
     if o.stride(-1) != 1 or do.stride(-1) != 1:
         raise ValueError("o and do must have contiguous rows (last stride 1)")
     num_m_blocks = -(-Nq // block_m) if varlen is None else Nq // block_m + varlen[2]

@@ -61,6 +61,7 @@ import torch
 from .common import LOG2E, fp8_factors, kv_loop_bounds, q_block_opening, q_block_program, softcap_scores
 from .gluon_hopper import (
     accumulator_layout,
+    check_warpgroup_rows,
     cta_barrier,
     fence_async_shared,
     gl,
@@ -837,11 +838,7 @@ def attention_forward_hopper(
         q, k, v, o = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v, o))
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    if block_m not in (64, 128) or block_m != 16 * num_warps:
-        raise ValueError(
-            f"block_m={block_m} with num_warps={num_warps}: the kernel runs one warpgroup (4 warps) per 64 rows, "
-            "block_m = 64 or 128"
-        )
+    check_warpgroup_rows(block_m, num_warps)
 
     Dv = v.shape[-1]
     d_first, d_second = head_dim_parts(D)  # ValueError for a head dim no tile pair holds

@@ -82,6 +82,16 @@ def head_dim_parts(head_dim: int) -> tuple[int, int]:
     return first, second
 
 
+def check_warpgroup_rows(block_m: int, num_warps: int) -> None:
+    """The Q-stationary Gluon kernels (forward, dQ) run one warpgroup of 4 warps per 64 rows of a Q block:
+    ValueError unless ``block_m`` is 64 or 128 and ``16 * num_warps``."""
+    if block_m not in (64, 128) or block_m != 16 * num_warps:
+        raise ValueError(
+            f"block_m={block_m} with num_warps={num_warps}: the kernel runs one warpgroup (4 warps) per 64 rows, "
+            "block_m = 64 or 128"
+        )
+
+
 if gluon is not None and tma_reduce_add is None:  # Triton 3.6: the builder has the op, the language no call
     from triton._C.libtriton import ir as _ir
     from triton.experimental.gluon.language._core import builtin as _builtin
