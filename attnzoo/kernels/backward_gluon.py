@@ -21,7 +21,8 @@ registers of the left operand of ``dV`` and ``dK``: no shared-memory round trip.
 load); Q and dO tiles stream through two rings of NUM_STAGES slots, slot ``i`` of both completing on one mbarrier
 when their bytes have landed, and a slot is refilled once every warpgroup has waited for the products that read it (a
 CTA-wide barrier at the end of the iteration).  lse2 (lse in base 2, +inf for an empty row) and Delta come from the
-dQ kernel, which runs first.
+dQ kernel, which runs first; each iteration loads the next tile's into a two-slot shared-memory buffer, from which
+the arithmetic reads them (fewer registers live than the per-tile loads, whose latency it also hides).
 
 Padding needs no predicate: TMA reads zeros for Q and dO rows past Nq, so those rows contribute nothing (and their
 lse2 loads as +inf), and K/V rows past Nk give gradient rows that the TMA store drops (with DQ_ATOMIC their dQ shares
@@ -105,6 +106,20 @@ if gluon is not None:
         mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
         tma_load(q_desc, [batch, first_head + g, start_m, 0], bar, q_ring.index(slot), pred=pred)
         tma_load(do_desc, [batch, first_head + g, start_m, 0], bar, do_ring.index(slot), pred=pred)
+
+    @gluon.jit
+    def _load_row_stat(
+        stat_ptr, index, n_iters, lo, tiles_per_head, first_stats_row, seqlen_q, stats_base, seq_q, other,
+        layout: gl.constexpr, BLOCK_M: gl.constexpr, DESCENDING: gl.constexpr,
+    ):  # fmt: skip
+        """lse2 or Delta of the BLOCK_M rows of iteration ``index``'s Q tile (``_tile_of``), in ``layout``; ``other``
+        for rows past the sequence and an index past the loop's end (lse2: +inf, which gives P = 0; Delta: 0).
+        Statistics are dense ``[B, H, Nq]`` (``first_stats_row``: ``batch * H`` + the group's first head) or packed
+        ``[H, total_q]`` from row ``stats_base``."""
+        g, start_m = _tile_of(index, lo, tiles_per_head, BLOCK_M, DESCENDING)
+        rows = start_m + gl.arange(0, BLOCK_M, layout)
+        stats = (first_stats_row + g).to(gl.int64) * seqlen_q + stats_base + rows
+        return gl.load(stat_ptr + stats, mask=(rows < seq_q) & (index < n_iters), other=other)
 
     @gluon.jit
     def _visible_t(keys, rows, diagonal_offset, window_left, window_right,
@@ -328,6 +343,16 @@ if gluon is not None:
         do_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_M, BLOCK_D], do_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_do_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        # Statistics through shared memory (not in the five-product build, where it measured 0.95x: see the loop):
+        # lse2 and Delta of the current Q tile (slot t % 2) and of the next one, rows 2 * slot and 2 * slot + 1.
+        # (The layout is a row's, as the mbarrier arrays': the rows are its views.)
+        STATS_SMEM: gl.constexpr = not DQ_ATOMIC
+        stats_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])  # one value a thread
+        first_stats_row = batch * num_heads + first_head
+        if STATS_SMEM:
+            stats_smem = gl.allocate_shared_memory(
+                gl.float32, [4, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+            )  # fmt: skip
         mbarrier.init(kv_bar, count=1)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(q_do_bars.index(i), count=1)
@@ -362,7 +387,19 @@ if gluon is not None:
                 q_desc, do_desc, q_do_bars, q_ring, do_ring, i, n_iters, tiles_per_head, lo, batch, first_head,
                 q_origin, BLOCK_M, NUM_STAGES, DESCENDING,
             )  # fmt: skip
+        if STATS_SMEM:  # tile 0's statistics into slot 0
+            lse2_next = _load_row_stat(
+                lse2_ptr, 0, n_iters, lo, tiles_per_head, first_stats_row, seqlen_q, stats_base, seq_q, float("inf"),
+                stats_layout, BLOCK_M, DESCENDING,
+            )  # fmt: skip
+            delta_next = _load_row_stat(
+                delta_ptr, 0, n_iters, lo, tiles_per_head, first_stats_row, seqlen_q, stats_base, seq_q, 0.0,
+                stats_layout, BLOCK_M, DESCENDING,
+            )  # fmt: skip
+            stats_smem.index(0).store(lse2_next)
+            stats_smem.index(1).store(delta_next)
         mbarrier.wait(kv_bar, 0)
+        cta_barrier()  # (slot 0 of the statistics stored by every warp)
         k_tile = k_smem.reshape([BLOCK_N, BLOCK_D])
         v_tile = v_smem.reshape([BLOCK_N, BLOCK_D])
 
@@ -377,11 +414,29 @@ if gluon is not None:
         for t in range(n_iters):
             g, start_m = _tile_of(t, lo, tiles_per_head, BLOCK_M, DESCENDING)
             rows = start_m + local_rows
-            # lse2 of this Q tile's rows, loaded before the wait so that its latency hides behind it (Delta, needed
-            # later, is loaded after it: fewer registers live at once).  Padding rows: lse2 = +inf gives P = 0.
-            # Dense [B, H, Nq]; packed [H, total_q] from the sequence's first row.
-            stats = (batch * num_heads + first_head + g).to(gl.int64) * seqlen_q + stats_base + rows
-            lse2 = gl.load(lse2_ptr + stats, mask=rows < seq_q, other=float("inf"))
+            if STATS_SMEM:
+                # The next tile's lse2 and Delta: global loads now, one value a thread, whose latency the whole
+                # iteration hides; into shared memory at its end.  Each thread reads its 16 columns of this tile's
+                # statistics from there where the arithmetic needs them: loaded per tile in the accumulators' column
+                # layout they were 32 registers a thread live beside dK, dV, S^T and dP^T, and a global load's
+                # latency before each tile's exponentials (ptxas at D = 128 causal: 255 registers and 12 B of
+                # spills -> 242 and none; with the soft cap 136 B -> 4 B).
+                lse2_next = _load_row_stat(
+                    lse2_ptr, t + 1, n_iters, lo, tiles_per_head, first_stats_row, seqlen_q, stats_base, seq_q,
+                    float("inf"), stats_layout, BLOCK_M, DESCENDING,
+                )  # fmt: skip
+                delta_next = _load_row_stat(
+                    delta_ptr, t + 1, n_iters, lo, tiles_per_head, first_stats_row, seqlen_q, stats_base, seq_q, 0.0,
+                    stats_layout, BLOCK_M, DESCENDING,
+                )  # fmt: skip
+                stats_row = 2 * (t % 2)
+            else:
+                # lse2 of this Q tile's rows, loaded before the wait so that its latency hides behind it (Delta,
+                # needed later, is loaded after it: fewer registers live at once).
+                lse2 = _load_row_stat(
+                    lse2_ptr, t, n_iters, lo, tiles_per_head, first_stats_row, seqlen_q, stats_base, seq_q,
+                    float("inf"), row_layout, BLOCK_M, DESCENDING,
+                )  # fmt: skip
 
             q_tile = ring_wait(q_do_bars, q_ring, t, BLOCK_M, BLOCK_D, NUM_STAGES)
             do_tile = do_ring.index(t % NUM_STAGES).reshape([BLOCK_M, BLOCK_D])
@@ -399,7 +454,13 @@ if gluon is not None:
             dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), dp_t, use_acc=False, is_async=True)
             # wgmma groups complete in order: one outstanding means S^T is done and dP^T may still run.
             s_t = warpgroup_mma_wait(1, deps=(s_t,))
-            delta = gl.load(delta_ptr + stats, mask=rows < seq_q, other=0.0)
+            if STATS_SMEM:
+                lse2 = stats_smem.index(stats_row).load(row_layout)
+            else:
+                delta = _load_row_stat(
+                    delta_ptr, t, n_iters, lo, tiles_per_head, first_stats_row, seqlen_q, stats_base, seq_q, 0.0,
+                    row_layout, BLOCK_M, DESCENDING,
+                )  # fmt: skip
             s2 = s_t * qk_scale  # base-2 scores
             if SOFTCAP:  # c tanh(s / c) (in base 2), tanh kept for its derivative 1 - tanh^2 in dS
                 # (common.softcap_scores' math, its derivative taken below where dS needs it)
@@ -432,6 +493,8 @@ if gluon is not None:
             p_op = gl.convert_layout(p_t.to(DTYPE), operand_layout)
             dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
             dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
+            if STATS_SMEM:
+                delta = stats_smem.index(stats_row + 1).load(row_layout)
             ds_t = p_t * (dp_t - delta[None, :])
             if SOFTCAP:
                 ds_t = ds_t * (1.0 - tanh * tanh)
@@ -466,6 +529,9 @@ if gluon is not None:
                 dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
                 # P^T and dS^T stay alive (the products read them from registers) until this wait.
                 dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
+            if STATS_SMEM:  # slot (t + 1) % 2 was last read in iteration t - 1, before the previous barrier
+                stats_smem.index(2 - stats_row).store(lse2_next)
+                stats_smem.index(3 - stats_row).store(delta_next)
             # Every warpgroup is past the products that read slot t: refill it with the tile NUM_STAGES ahead.
             cta_barrier()
             if DQ_ATOMIC:  # (and every warp's part of the dQ share is in shared memory)
