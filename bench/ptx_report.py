@@ -9,6 +9,7 @@ device's, so the numbers are a guide; timings still come from the GPU.
 
     python bench/ptx_report.py --kernel dkdv --d 128 --config 64,128,8,3
     python bench/ptx_report.py --kernel forward,dkdv,dq,atomic --d 64,128 --causal
+    python bench/ptx_report.py --kernel dq --d 128 --config "128,64,8,3,gluon;64,64,4,2,gluon"
 """
 
 from __future__ import annotations
@@ -245,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
     parser.add_argument("--d", default="128", help="head dims, comma list")
     parser.add_argument(
-        "--config", help="BLOCK_M,BLOCK_N,warps,stages[,tma|,gluon] (default: every autotuning candidate)"
+        "--config",
+        help="BLOCK_M,BLOCK_N,warps,stages[,tma|,gluon], several separated by ';' (default: every candidate)",
     )
     parser.add_argument("--dv", type=int, help="the Gluon forward's value head dim (default: D)")
     parser.add_argument("--causal", action="store_true")
@@ -261,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     modifiers = frozenset(filter(None, args.modifiers.split(",")))
     for name in args.kernel.split(","):
-        configs = [parse_config(args.config)] if args.config else CANDIDATES[name]
+        configs = [parse_config(c) for c in args.config.split(";")] if args.config else CANDIDATES[name]
         for d in map(int, args.d.split(",")):
             for cfg in configs:
                 r = report(name, args.dtype, d, cfg, args.causal, args.q_tail, modifiers, args.dv)
