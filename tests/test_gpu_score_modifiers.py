@@ -180,6 +180,30 @@ def test_gluon_dkdv_applies_alibi_and_the_soft_cap(backward, cfg, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("D", [64, 128])
+def test_gluon_backward_applies_causal_alibi_thousands_of_keys_away(D, dtype):
+    """With a causal mask the Gluon dQ and dK/dV kernels split ALiBi's ``-slope (i' - j)`` into a keys' term and a
+    rows' term that joins lse2, each exact only while small: with rows up to 2300 positions from the keys they see
+    and BLOOM's slopes for two heads (2^-4 and 2^-8, whose far keys still weigh in), the two-kernel and the
+    five-product backwards stay within SPEC.md's bound of the float64 oracle (Nq = Nk with a tail, and Nq << Nk)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels need an sm_90 GPU")
+    backends = (
+        attnzoo.get("triton_2kernel", configs={"dkdv": "64x64 w4 s2 gluon", "dq": "128x64 w8 s3 gluon"}),
+        attnzoo.get("triton_atomic", configs={"atomic": "64x128 w8 s2 gluon"}),
+    )
+    for Nq, Nk in ((2100, 2100), (150, 2300)):
+        q, k, v, do, _, slopes = _make(1, 2, 2, Nq, Nk, D, D, dtype, alibi="heads", seed=Nk)
+        kw = dict(causal=True, alibi_slopes=slopes)
+        call = prepare(q, k, v, validate_forward(q, k, v, **kw))
+        assert not call.gluon_reasons(KernelVariant.DKDV, do)
+        assert not call.gluon_reasons(KernelVariant.DQ, do, torch.empty_like(do))  # (do, o)
+        assert not call.gluon_reasons(KernelVariant.ATOMIC_PREPROCESS, do)
+        for backend in backends:
+            _check(_run(backend, q, k, v, do, **kw), q, k, v, do, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("cfg", [c for c in CANDIDATES["dq"] if c.gluon], ids=str)
 def test_gluon_dq_applies_each_modifier(cfg, dtype):
     """The Gluon dQ kernel, pinned, on the windowed, ALiBi and soft-capped calls of the dK/dV tests above (the launch

@@ -143,16 +143,12 @@ if gluon is not None:
         return visible
 
     @gluon.jit
-    def _alibi_bias_t(keys, positions, slope, CAUSAL: gl.constexpr):
-        """ALiBi's term ``-slope |i' - j|`` in base 2 as a ``[BLOCK_N, BLOCK_M]`` tile (keys along the rows, rows'
-        positions ``i'`` along the columns), from the exact integer distance: keys and positions may be 10^4 apart,
-        and a difference of two such float32 products would lose the small distances' digits.  With CAUSAL every
-        visible key has ``j <= i'``, so the distance needs no ``abs`` (the keys past it are masked afterwards)."""
-        offset = keys[:, None] - positions[None, :]
-        slope2 = slope * 1.4426950408889634
-        if CAUSAL:
-            return slope2 * offset.to(gl.float32)
-        return -slope2 * gl.abs(offset).to(gl.float32)
+    def _alibi_bias_t(keys, positions, slope2):
+        """ALiBi's term ``-slope |i' - j|`` in base 2 (``slope2``) as a ``[BLOCK_N, BLOCK_M]`` tile (keys along the
+        rows, rows' positions ``i'`` along the columns), from the exact integer distance: keys and positions may be
+        10^4 apart, and a difference of two such float32 products would lose the small distances' digits.  (With a
+        causal mask the kernel splits the term instead.)"""
+        return -slope2 * gl.abs(keys[:, None] - positions[None, :]).to(gl.float32)
 
     @gluon.jit
     def _add_dq_share(
@@ -258,8 +254,9 @@ if gluon is not None:
         the form the Triton kernels use for the 16-bit dtypes, the only ones in scope) and dS takes the factor
         ``1 - tanh^2``.  ALIBI: the slopes
         ``alibi_ptr`` float32 ``[B, H]`` (strides given; a packed batch's rows are its sequences) add
-        ``-slope |i' - j|`` to each score before the exponential (``_alibi_bias_t``); the gradients' formulas are
-        unchanged (the term does not depend on q or k).
+        ``-slope |i' - j|`` to each score before the exponential (``_alibi_bias_t``; with CAUSAL split into a keys'
+        term and a rows' term, see the loop); the gradients' formulas are unchanged (the term does not depend on q or
+        k).
 
         DQ_ATOMIC (the five-product backward, ``triton_atomic``'s Hopper path): each iteration also computes the Q
         tile's share ``sm_scale * dS_t K`` of dQ from this block's keys and adds it by TMA reductions
@@ -469,10 +466,19 @@ if gluon is not None:
                 )
                 s2 = cap_out * tanh
             if ALIBI:
-                slope = gl.load(
+                slope2 = 1.4426950408889634 * gl.load(
                     alibi_ptr + slopes_row.to(gl.int64) * stride_alibi_b + (first_head + g) * stride_alibi_h
-                )
-                s2 = s2 + _alibi_bias_t(keys, rows + diagonal_offset, slope, CAUSAL)
+                )  # fmt: skip
+                if CAUSAL:
+                    # -slope (i' - j) = slope (j - start_n) - slope (i' - start_n): the keys' term is one add per
+                    # score, and the rows' term, constant down a column of S^T, joins lse2 (16 values a thread
+                    # where |i' - j| took a subtraction, a conversion and a multiply-add for each of 32 scores).
+                    # Both terms are small where P is not negligible: keys within BLOCK_N of start_n, rows near
+                    # them.  (Keys right of the diagonal get a wrong score; the mask below hides them.)
+                    s2 = s2 + (slope2 * (keys - start_n).to(gl.float32))[:, None]
+                    lse2 = lse2 + slope2 * (rows + diagonal_offset - start_n).to(gl.float32)
+                else:
+                    s2 = s2 + _alibi_bias_t(keys, rows + diagonal_offset, slope2)
             p_t = gl.exp2(s2 - lse2[None, :])
             if MASKED:  # a compile-time test: without a mask no mask code is emitted at all
                 if WINDOW_LEFT:  # the third stage: tiles that the window's left edge cuts

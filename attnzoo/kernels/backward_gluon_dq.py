@@ -69,30 +69,31 @@ if TYPE_CHECKING:
     from .launch import ScoreModifiers
 
 if gluon is not None:  # (a Triton without Gluon: forward_gluon defines no kernel helpers either)
-    from .forward_gluon import mask_scores, q_block_tiles
+    from .forward_gluon import _alibi_cols, mask_scores, q_block_tiles
 
     @gluon.jit
     def _tile_p(
-        s, lse2, rows, keys, diagonal_offset, seqlen_k, qk_scale, modifiers, masked,
+        s, lse2, rows, keys, diagonal_offset, seqlen_k, qk_scale, modifiers, alibi_cols, masked,
         CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
         ALIBI: gl.constexpr,
     ):  # fmt: skip
         """``P`` of one raw score tile ``s`` ``[BLOCK_M, BLOCK_N]`` from the rows' ``lse2``, and the soft cap's
         derivative ``1 - tanh^2`` (1.0, unread, without SOFTCAP).  ``masked``: the tile is cut by the diagonal, a
-        window's edge or Nk, and its hidden keys get ``P = 0`` (``forward_gluon.mask_scores``)."""
+        window's edge or Nk, and its hidden keys get ``P = 0`` (``forward_gluon.mask_scores``).  ALiBi with a
+        causal mask as the Gluon forward takes it (``forward_gluon._modified_scores``): ``alibi_cols`` is the
+        keys' term ``slope (j - r0)``, one add per score, and the rows' term ``slope (i' - r0)`` is in ``lse2``."""
         window_left, window_right, cap_in, cap_out, slope2 = modifiers
         s2 = s * qk_scale
         dcap = 1.0
         if SOFTCAP:
             s2, dcap = softcap_scores(s2, cap_in, cap_out, 2)
         if ALIBI:
-            # -slope |i' - j| from the exact integer distance (keys and positions may be 10^4 apart: a difference of
-            # two float32 products would lose the small distances' digits).  With CAUSAL every visible key has
-            # j <= i', so no abs (the keys past the diagonal are masked below).
-            offset = keys[None, :] - (rows + diagonal_offset)[:, None]
-            if CAUSAL:
-                s2 = s2 + slope2 * offset.to(gl.float32)
+            if CAUSAL:  # (keys right of the diagonal get a wrong score; the mask below hides them)
+                s2 = s2 + alibi_cols[None, :]
             else:
+                # -slope |i' - j| from the exact integer distance (keys and positions may be 10^4 apart: a
+                # difference of two float32 products would lose the small distances' digits).
+                offset = keys[None, :] - (rows + diagonal_offset)[:, None]
                 s2 = s2 - slope2 * gl.abs(offset).to(gl.float32)
         if masked:
             s2 = mask_scores(
@@ -179,6 +180,18 @@ if gluon is not None:  # (a Triton without Gluon: forward_gluon defines no kerne
         diagonal_offset = seqlen_k - seqlen_q
         rows = start_m + gl.arange(0, ROWS, row_layout)
         local_keys = gl.arange(0, BLOCK_N, key_layout)
+        # ALiBi with a causal mask: -slope (i' - j) = slope (j - r0) - slope (i' - r0), r0 this warpgroup's first
+        # row's position.  The rows' term, constant along a row, joins the lse2 that P is taken from (the stored
+        # lse2 is unchanged); the keys' term is one add per score (_tile_p), where |i' - j| took a subtraction, a
+        # conversion and a multiply-add.  Both terms are small where P is not negligible (rows within 64 of r0,
+        # keys near the rows).
+        slope2 = modifiers[4]
+        alibi_origin = start_m + diagonal_offset
+        alibi_local = slope2 * local_keys.to(gl.float32)
+        if ALIBI and CAUSAL:
+            lse2_p = lse2 + slope2 * (rows - start_m).to(gl.float32)
+        else:
+            lse2_p = lse2
         last_tail = seqlen_k - (first_key + (n_tiles - 1) * BLOCK_N)  # keys of the last tile in the sequence
         mbarrier.wait(q_bars.index(WARPGROUP), 0)
         q_tile = q_smem.index(WARPGROUP).reshape([ROWS, BLOCK_D])
@@ -200,7 +213,8 @@ if gluon is not None:  # (a Triton without Gluon: forward_gluon defines no kerne
         )  # fmt: skip
         s = warpgroup_mma_wait(1, deps=(s,))
         p, dcap = _tile_p(
-            s, lse2, rows, first_key + local_keys, diagonal_offset, seqlen_k, qk_scale, modifiers,
+            s, lse2_p, rows, first_key + local_keys, diagonal_offset, seqlen_k, qk_scale, modifiers,
+            _alibi_cols(alibi_local, first_key, alibi_origin, slope2, CAUSAL, ALIBI),
             (unmasked_tiles == 0) | (left_tiles > 0), CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI,
         )  # fmt: skip
         dp = warpgroup_mma_wait(0, deps=(dp,))
@@ -227,7 +241,8 @@ if gluon is not None:  # (a Triton without Gluon: forward_gluon defines no kerne
             # wgmma groups complete in order: two outstanding means S_j is done, dQ and dP_j may still run.
             s = warpgroup_mma_wait(2, deps=(s,))
             p, dcap = _tile_p(
-                s, lse2, rows, first_key + j * BLOCK_N + local_keys, diagonal_offset, seqlen_k, qk_scale, modifiers,
+                s, lse2_p, rows, first_key + j * BLOCK_N + local_keys, diagonal_offset, seqlen_k, qk_scale, modifiers,
+                _alibi_cols(alibi_local, first_key + j * BLOCK_N, alibi_origin, slope2, CAUSAL, ALIBI),
                 (j >= unmasked_tiles) | (j < left_tiles), CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI,
             )  # fmt: skip
             # dS_{j-1} stays alive (the product reads it from registers) until this wait.
