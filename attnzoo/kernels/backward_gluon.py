@@ -109,13 +109,14 @@ if gluon is not None:
 
     @gluon.jit
     def _load_row_stat(
-        stat_ptr, index, n_iters, lo, tiles_per_head, first_stats_row, seqlen_q, stats_base, seq_q, other,
-        layout: gl.constexpr, BLOCK_M: gl.constexpr, DESCENDING: gl.constexpr,
+        stat_ptr, index, stats_at, other, layout: gl.constexpr, BLOCK_M: gl.constexpr, DESCENDING: gl.constexpr
     ):  # fmt: skip
         """lse2 or Delta of the BLOCK_M rows of iteration ``index``'s Q tile (``_tile_of``), in ``layout``; ``other``
         for rows past the sequence and an index past the loop's end (lse2: +inf, which gives P = 0; Delta: 0).
-        Statistics are dense ``[B, H, Nq]`` (``first_stats_row``: ``batch * H`` + the group's first head) or packed
-        ``[H, total_q]`` from row ``stats_base``."""
+        ``stats_at = (n_iters, lo, tiles_per_head, first_stats_row, seqlen_q, stats_base, seq_q)``: statistics are
+        dense ``[B, H, Nq]`` (``first_stats_row``: ``batch * H`` + the group's first head) or packed ``[H, total_q]``
+        from row ``stats_base``."""
+        n_iters, lo, tiles_per_head, first_stats_row, seqlen_q, stats_base, seq_q = stats_at
         g, start_m = _tile_of(index, lo, tiles_per_head, BLOCK_M, DESCENDING)
         rows = start_m + gl.arange(0, BLOCK_M, layout)
         stats = (first_stats_row + g).to(gl.int64) * seqlen_q + stats_base + rows
@@ -345,7 +346,7 @@ if gluon is not None:
         # (The layout is a row's, as the mbarrier arrays': the rows are its views.)
         STATS_SMEM: gl.constexpr = not DQ_ATOMIC
         stats_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])  # one value a thread
-        first_stats_row = batch * num_heads + first_head
+        stats_at = (n_iters, lo, tiles_per_head, batch * num_heads + first_head, seqlen_q, stats_base, seq_q)
         if STATS_SMEM:
             stats_smem = gl.allocate_shared_memory(
                 gl.float32, [4, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
@@ -385,14 +386,8 @@ if gluon is not None:
                 q_origin, BLOCK_M, NUM_STAGES, DESCENDING,
             )  # fmt: skip
         if STATS_SMEM:  # tile 0's statistics into slot 0
-            lse2_next = _load_row_stat(
-                lse2_ptr, 0, n_iters, lo, tiles_per_head, first_stats_row, seqlen_q, stats_base, seq_q, float("inf"),
-                stats_layout, BLOCK_M, DESCENDING,
-            )  # fmt: skip
-            delta_next = _load_row_stat(
-                delta_ptr, 0, n_iters, lo, tiles_per_head, first_stats_row, seqlen_q, stats_base, seq_q, 0.0,
-                stats_layout, BLOCK_M, DESCENDING,
-            )  # fmt: skip
+            lse2_next = _load_row_stat(lse2_ptr, 0, stats_at, float("inf"), stats_layout, BLOCK_M, DESCENDING)
+            delta_next = _load_row_stat(delta_ptr, 0, stats_at, 0.0, stats_layout, BLOCK_M, DESCENDING)
             stats_smem.index(0).store(lse2_next)
             stats_smem.index(1).store(delta_next)
         mbarrier.wait(kv_bar, 0)
@@ -418,22 +413,13 @@ if gluon is not None:
                 # layout they were 32 registers a thread live beside dK, dV, S^T and dP^T, and a global load's
                 # latency before each tile's exponentials (ptxas at D = 128 causal: 255 registers and 12 B of
                 # spills -> 242 and none; with the soft cap 136 B -> 4 B).
-                lse2_next = _load_row_stat(
-                    lse2_ptr, t + 1, n_iters, lo, tiles_per_head, first_stats_row, seqlen_q, stats_base, seq_q,
-                    float("inf"), stats_layout, BLOCK_M, DESCENDING,
-                )  # fmt: skip
-                delta_next = _load_row_stat(
-                    delta_ptr, t + 1, n_iters, lo, tiles_per_head, first_stats_row, seqlen_q, stats_base, seq_q, 0.0,
-                    stats_layout, BLOCK_M, DESCENDING,
-                )  # fmt: skip
+                lse2_next = _load_row_stat(lse2_ptr, t + 1, stats_at, float("inf"), stats_layout, BLOCK_M, DESCENDING)
+                delta_next = _load_row_stat(delta_ptr, t + 1, stats_at, 0.0, stats_layout, BLOCK_M, DESCENDING)
                 stats_row = 2 * (t % 2)
             else:
                 # lse2 of this Q tile's rows, loaded before the wait so that its latency hides behind it (Delta,
                 # needed later, is loaded after it: fewer registers live at once).
-                lse2 = _load_row_stat(
-                    lse2_ptr, t, n_iters, lo, tiles_per_head, first_stats_row, seqlen_q, stats_base, seq_q,
-                    float("inf"), row_layout, BLOCK_M, DESCENDING,
-                )  # fmt: skip
+                lse2 = _load_row_stat(lse2_ptr, t, stats_at, float("inf"), row_layout, BLOCK_M, DESCENDING)
 
             q_tile = ring_wait(q_do_bars, q_ring, t, BLOCK_M, BLOCK_D, NUM_STAGES)
             do_tile = do_ring.index(t % NUM_STAGES).reshape([BLOCK_M, BLOCK_D])
@@ -454,10 +440,7 @@ if gluon is not None:
             if STATS_SMEM:
                 lse2 = stats_smem.index(stats_row).load(row_layout)
             else:
-                delta = _load_row_stat(
-                    delta_ptr, t, n_iters, lo, tiles_per_head, first_stats_row, seqlen_q, stats_base, seq_q, 0.0,
-                    row_layout, BLOCK_M, DESCENDING,
-                )  # fmt: skip
+                delta = _load_row_stat(delta_ptr, t, stats_at, 0.0, row_layout, BLOCK_M, DESCENDING)
             s2 = s_t * qk_scale  # base-2 scores
             if SOFTCAP:  # c tanh(s / c) (in base 2), tanh kept for its derivative 1 - tanh^2 in dS
                 # (common.softcap_scores' math, its derivative taken below where dS needs it)

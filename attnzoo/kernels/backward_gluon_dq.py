@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     from .launch import ScoreModifiers
 
 if gluon is not None:  # (a Triton without Gluon: forward_gluon defines no kernel helpers either)
-    from .forward_gluon import _alibi_cols, mask_scores, q_block_tiles
+    from .forward_gluon import alibi_key_term, mask_scores, q_block_tiles
 
     @gluon.jit
     def _tile_p(
@@ -214,7 +214,7 @@ if gluon is not None:  # (a Triton without Gluon: forward_gluon defines no kerne
         s = warpgroup_mma_wait(1, deps=(s,))
         p, dcap = _tile_p(
             s, lse2_p, rows, first_key + local_keys, diagonal_offset, seqlen_k, qk_scale, modifiers,
-            _alibi_cols(alibi_local, first_key, alibi_origin, slope2, CAUSAL, ALIBI),
+            alibi_key_term(alibi_local, first_key, alibi_origin, slope2, CAUSAL, ALIBI),
             (unmasked_tiles == 0) | (left_tiles > 0), CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI,
         )  # fmt: skip
         dp = warpgroup_mma_wait(0, deps=(dp,))
@@ -242,7 +242,7 @@ if gluon is not None:  # (a Triton without Gluon: forward_gluon defines no kerne
             s = warpgroup_mma_wait(2, deps=(s,))
             p, dcap = _tile_p(
                 s, lse2_p, rows, first_key + j * BLOCK_N + local_keys, diagonal_offset, seqlen_k, qk_scale, modifiers,
-                _alibi_cols(alibi_local, first_key + j * BLOCK_N, alibi_origin, slope2, CAUSAL, ALIBI),
+                alibi_key_term(alibi_local, first_key + j * BLOCK_N, alibi_origin, slope2, CAUSAL, ALIBI),
                 (j >= unmasked_tiles) | (j < left_tiles), CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI,
             )  # fmt: skip
             # dS_{j-1} stays alive (the product reads it from registers) until this wait.

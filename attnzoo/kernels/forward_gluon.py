@@ -117,7 +117,7 @@ if gluon is not None:
         ALiBi with a causal mask: every visible key j is at or left of its row's position i', so
         ``-slope (i' - j) = slope (j - r0) - slope (i' - r0)`` with r0 the first row's position.  The last term is
         constant along a row: it leaves P unchanged, so it is left out here and taken off the row's lse at the end of
-        ``_attend_rows``; the first, ``alibi_cols`` (``[BLOCK_N]``, from ``_alibi_cols``), is one add per score,
+        ``_attend_rows``; the first, ``alibi_cols`` (``[BLOCK_N]``, from ``alibi_key_term``), is one add per score,
         where ``|i' - j|`` takes a subtraction, an absolute value and a multiply-add.  Keys right of the diagonal get
         a wrong score, but the causal mask hides them."""
         s2 = s * qk_scale
@@ -132,7 +132,7 @@ if gluon is not None:
         return s2
 
     @gluon.jit
-    def _alibi_cols(alibi_local, first_key, alibi_origin, slope2, CAUSAL: gl.constexpr, ALIBI: gl.constexpr):
+    def alibi_key_term(alibi_local, first_key, alibi_origin, slope2, CAUSAL: gl.constexpr, ALIBI: gl.constexpr):
         """``slope (j - r0)`` for the keys ``j = first_key + 0..BLOCK_N-1`` of a tile (``_modified_scores``), as the
         tile-invariant ``alibi_local = slope * (0..BLOCK_N-1)`` plus one scalar: no int-to-float conversion per key."""
         if ALIBI and CAUSAL:
@@ -323,7 +323,7 @@ if gluon is not None:
         keys = first_key + local_keys
         step_scale = qk_scale
         if MODIFIED:
-            alibi_cols = _alibi_cols(alibi_local, first_key, alibi_origin, slope2, CAUSAL, ALIBI)
+            alibi_cols = alibi_key_term(alibi_local, first_key, alibi_origin, slope2, CAUSAL, ALIBI)
             s = _modified_scores(
                 s, rows, keys, diagonal_offset, alibi_cols, qk_scale, cap_in, cap_out, slope2, CAUSAL, SOFTCAP, ALIBI
             )  # fmt: skip
@@ -370,7 +370,7 @@ if gluon is not None:
             s = _signed_scores(s, flip, DESCALE)
             keys = first_key + j * BLOCK_N + local_keys
             if MODIFIED:
-                alibi_cols = _alibi_cols(alibi_local, first_key + j * BLOCK_N, alibi_origin, slope2, CAUSAL, ALIBI)
+                alibi_cols = alibi_key_term(alibi_local, first_key + j * BLOCK_N, alibi_origin, slope2, CAUSAL, ALIBI)
                 s = _modified_scores(
                     s, rows, keys, diagonal_offset, alibi_cols, qk_scale, cap_in, cap_out, slope2, CAUSAL, SOFTCAP,
                     ALIBI,
