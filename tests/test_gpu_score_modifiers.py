@@ -102,6 +102,33 @@ def test_score_modifiers_match_the_oracle(name, case, dtype):
         assert not o.any() and torch.isneginf(lse).all() and not dq.any() and not dk.any() and not dv.any()
 
 
+# A head dim that is not a power of two (q/k's columns masked) with a narrower value head dim, v a view whose rows
+# are not 16-element aligned: (D, Dv, row width of v's memory, first column). Triton 3.6 compiled these wrong with a
+# v tile narrower than q/k's (``launch.value_tile_width``).  do is such a view too (with v's rows aligned, the first
+# case, the call keeps the narrow tile and the backward copies do: ``launch.aligned_value_rows``).
+NARROW_VALUE_VIEWS = [
+    (40, 32, 32, 0),
+    (40, 32, 40, 0),
+    (40, 32, 48, 3),
+    (40, 16, 24, 0),
+    (40, 8, 8, 0),
+    (24, 16, 24, 0),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("view", NARROW_VALUE_VIEWS, ids=str)
+@pytest.mark.parametrize("name", TRITON)
+def test_a_narrow_value_head_dim_read_through_a_strided_view(name, view, dtype):
+    D, Dv, width, first = view
+    q, k, _, _, _, _ = _make(2, 4, 2, 300, 333, D, Dv, dtype, seed=D + Dv)
+    g = torch.Generator(device=CUDA).manual_seed(width + first)
+    v = torch.randn(2, 2, 333, width + first, device=CUDA, dtype=dtype, generator=g)[..., first : first + Dv]
+    do = torch.randn(2, 4, 300, Dv + 11, device=CUDA, dtype=dtype, generator=g)[..., 3 : 3 + Dv]
+    outputs = _run(attnzoo.get(name), q, k, v, do, causal=True)
+    _check(outputs, q, k, v, do, causal=True)
+
+
 # (B, H, Hkv, Nq, Nk, D, causal, window): the left edge alone (causal), both edges, a right edge left of the
 # diagonal (rows that see no key; with causal too), Nq != Nk both ways, tails, GQA.
 GLUON_DKDV_WINDOWS = [

@@ -42,7 +42,7 @@ from .common import (
     store_rows,
 )
 from .gluon_hopper import record_compile_failure
-from .launch import KernelVariant, PreparedCall, grid_1d, int32_addressable, run, tensor_args
+from .launch import KernelVariant, PreparedCall, aligned_value_rows, grid_1d, run, tensor_args
 
 
 @triton.jit
@@ -359,7 +359,7 @@ def attention_backward_2kernel(
     H, Hkv, D = call.problem.heads, call.problem.kv_heads, call.problem.head_dim
     Nq, Nk = call.seqlen_q, call.seqlen_k  # packed: total_q, total_k
     lse = lse.contiguous()
-    do, o = int32_addressable(do), int32_addressable(o)
+    do, o = aligned_value_rows(do, call), aligned_value_rows(o, call)
     # Per-row statistics for the dK/dV kernel, written by the dQ kernel: lse in base 2, and Delta.
     lse2 = call.new_output(call.row_stats_shape, torch.float32)
     delta = call.new_output(call.row_stats_shape, torch.float32)

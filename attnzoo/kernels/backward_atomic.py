@@ -44,7 +44,7 @@ from .common import (
     tile_pointers,
 )
 from .gluon_hopper import record_compile_failure
-from .launch import KernelVariant, PreparedCall, _placeholder, grid_1d, int32_addressable, num_blocks, run, tensor_args
+from .launch import KernelVariant, PreparedCall, _placeholder, aligned_value_rows, grid_1d, num_blocks, run, tensor_args
 from .tuning import INTERPRETER_CONFIG
 
 DELTA_MODES = ("recompute", "preprocess")
@@ -322,7 +322,7 @@ def attention_backward_atomic(
     B, H, D = q.shape[0], call.problem.heads, call.problem.head_dim  # (B: dense calls' only, as the Gluon path)
     Nq, Nk = call.seqlen_q, call.seqlen_k  # packed: total_q, total_k
     lse = lse.contiguous()
-    do, o = int32_addressable(do), int32_addressable(o)
+    do, o = aligned_value_rows(do, call), aligned_value_rows(o, call)
     recompute = delta_mode == "recompute"
     if ordered:
         variant = KernelVariant.ATOMIC_ORDERED

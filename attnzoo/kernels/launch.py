@@ -69,6 +69,40 @@ def _compute_capability_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
+def rows_16_aligned(x: torch.Tensor) -> bool:
+    """Whether Triton's specialisation sees the rows of ``x`` 16-element aligned: a 16-byte aligned base address and
+    every stride but the last a multiple of 16 (the integer divisibility that Triton specialises on)."""
+    return x.data_ptr() % 16 == 0 and all(stride % 16 == 0 for stride in x.stride()[:-1])
+
+
+def value_tile_width(head_dim: int, head_dim_v: int, block_d: int, v: torch.Tensor) -> int:
+    """The Triton kernels' tile width of v, o and do (``BLOCK_DV``): Dv's power of two, or ``block_d`` where a narrower
+    tile would be compiled wrong.
+
+    On the H100 with Triton 3.6 the compiled kernels gave wrong outputs (or an illegal memory access) when q/k's
+    columns are masked (D not a power of two, e.g. 40 in a 64-column tile), the v tile is narrower than q/k's (Dv =
+    8, 16 or 32 there), and v's rows are not 16-element aligned (row strides of 8, 24 or 40, or a base address 6
+    bytes past alignment); the interpreter's outputs were right, and every such case passed with the v tile as wide
+    as q/k's (docs/design.md, "Score modifiers in the kernels").  So the narrower tile is kept only where Dv is a
+    multiple of 16 and v's rows are aligned (D = 192 with Dv = 128 keeps its 128-column tile); the backward copies
+    a misaligned ``do`` or ``o`` of such a call (``aligned_value_rows``).
+    """
+    block_dv = head_dim_tile(head_dim_v)
+    if head_dim != block_d and block_dv < block_d and (head_dim_v % 16 != 0 or not rows_16_aligned(v)):
+        block_dv = block_d
+    return block_dv
+
+
+def aligned_value_rows(x: torch.Tensor, call: PreparedCall) -> torch.Tensor:
+    """``do`` or ``o`` for the backward kernels: a contiguous copy where the call keeps a v tile narrower than q/k's
+    with D not a power of two (``value_tile_width``) and the rows of ``x`` are not 16-element aligned, else ``x``
+    (``int32_addressable``)."""
+    narrow = call.problem.head_dim != call.block_d and call.block_dv < call.block_d
+    if narrow and not rows_16_aligned(x):
+        return x.clone(memory_format=torch.contiguous_format)
+    return int32_addressable(x)
+
+
 def descriptor_loads_possible(x: torch.Tensor) -> bool:
     """Whether tiles of ``x`` ``[B, H, N, D]`` can be loaded through a TMA tensor descriptor.
 
@@ -396,7 +430,7 @@ def prepare(
     block_d = head_dim_tile(problem.head_dim)
     if descale is not None:  # an FP8 product reduces over at least 32 elements (the head dim in q k^T)
         block_d = max(block_d, 32)
-    block_dv = head_dim_tile(problem.head_dim_v)
+    block_dv = value_tile_width(problem.head_dim, problem.head_dim_v, block_d, v)
     varlen = problem.is_varlen
     if varlen:  # packed: the kernels' lengths are the totals; windows are clamped by them (the hints may be loose)
         seqlen_q, seqlen_k = q.shape[0], k.shape[0]
