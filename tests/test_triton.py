@@ -20,7 +20,15 @@ from attnzoo.backends.triton_atomic import TritonAtomic
 from attnzoo.kernels import launch as launch_module
 from attnzoo.kernels import tuning
 from attnzoo.kernels.forward import attention_forward
-from attnzoo.kernels.launch import KernelVariant, PreparedCall, descriptor_loads_possible, int32_addressable, prepare
+from attnzoo.kernels.launch import (
+    KernelVariant,
+    PreparedCall,
+    aligned_value_rows,
+    descriptor_loads_possible,
+    int32_addressable,
+    prepare,
+    value_tile_width,
+)
 from attnzoo.kernels.tuning import Autotuner, KernelConfig
 from attnzoo.testing import AttentionInputs, check_backend, random_inputs
 from attnzoo.validation import validate_forward
@@ -695,6 +703,31 @@ def test_only_views_that_could_wrap_int32_are_copied():
     wide = storage.as_strided((1, 1, 2, 16), (0, 0, 20_000_000, 1))  # 128 rows x 20M > 2^31
     copied = int32_addressable(wide)
     assert copied is not wide and copied.is_contiguous() and torch.equal(copied, wide)
+
+
+def test_a_narrow_value_tile_is_kept_only_for_aligned_rows_of_a_multiple_of_16():
+    # (value_tile_width: with D not a power of two, a v tile narrower than q/k's read rows that are not 16-element
+    # aligned wrong on the H100; such calls take q/k's tile width.)
+    contiguous = torch.randn(1, 2, 8, 32)
+    strided = torch.randn(1, 2, 8, 40)[..., :32]  # rows 40 apart
+    assert value_tile_width(40, 32, 64, contiguous) == 32
+    assert value_tile_width(40, 32, 64, strided) == 64
+    assert value_tile_width(40, 8, 64, torch.randn(1, 2, 8, 8)) == 64  # rows 8 apart even when contiguous
+    assert value_tile_width(64, 32, 64, strided) == 32  # q/k's columns unmasked: the narrow tile is kept
+    assert value_tile_width(192, 128, 256, torch.randn(1, 2, 8, 128)) == 128
+    assert value_tile_width(40, 40, 64, strided) == 64  # Dv's own tile is q/k's already
+
+
+def test_the_backward_copies_do_with_misaligned_rows_only_where_the_narrow_tile_is_kept():
+    q, k = torch.randn(1, 2, 8, 40), torch.randn(1, 2, 8, 40)
+    misaligned = torch.randn(1, 2, 8, 32 + 3)[..., 3:]
+    narrow = prepare(q, k, torch.randn(1, 2, 8, 32), validate_forward(q, k, torch.randn(1, 2, 8, 32)))
+    assert narrow.block_dv == 32
+    copied = aligned_value_rows(misaligned, narrow)
+    assert copied is not misaligned and copied.is_contiguous() and torch.equal(copied, misaligned)
+    assert aligned_value_rows(narrow.v, narrow) is narrow.v
+    widened = prepare(q, k, misaligned, validate_forward(q, k, misaligned))
+    assert widened.block_dv == 64 and aligned_value_rows(misaligned, widened) is misaligned
 
 
 def _gpu_launch_path_on_the_cpu(monkeypatch) -> PreparedCall:
