@@ -31,8 +31,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._env import triton_interpreter_active
-
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # ln(2): ln(x) = log2(x) * LN2
 
@@ -203,19 +201,6 @@ def q_block_program(pid, num_m_blocks, num_heads, group_size, CAUSAL: tl.constex
 
 
 @triton.jit
-def _bisection_step(lo, hi, slot, cu_seqlens_ptr, BLOCK: tl.constexpr):
-    """One step of ``varlen_block``'s bisection: halve ``[lo, hi)`` keeping ``t_lo <= slot < t_hi``."""
-    mid = (lo + hi) // 2
-    below = tl.load(cu_seqlens_ptr + mid) // BLOCK + mid <= slot
-    return tl.where(below, mid, lo), tl.where(below, hi, mid)
-
-
-# Compiled kernels unroll the packed grid's bisection (varlen_block); the interpreter runs it as a loop, where 31
-# unrolled steps cost a quarter of a small packed forward's time (2.56 against 2.03 s a call).
-UNROLL_BISECTION = tl.constexpr(not triton_interpreter_active())
-
-
-@triton.jit
 def varlen_block(slot, cu_seqlens_ptr, num_sequences, search_steps, BLOCK: tl.constexpr):
     """Which block of which sequence slot ``slot`` of a packed grid computes -> ``(sequence, block, first_row,
     length)``, from the int32 offsets ``cu_seqlens`` ``[B + 1]`` alone (no host read, no prefix sum of block counts).
@@ -226,19 +211,18 @@ def varlen_block(slot, cu_seqlens_ptr, num_sequences, search_steps, BLOCK: tl.co
     ``block * BLOCK >= length``: the program returns at once).  ``t`` increases strictly with ``b``; the sequence is
     the last ``b`` with ``t_b <= slot``, found by bisection in ``search_steps = ceil(log2(B + 1))`` steps.
 
-    Compiled, the steps are unrolled up to B < 2^31, each under a run-time test: as a run-time loop, the bisection
-    cost the kernels' main loops registers (ptxas, the Gluon forward's 64x128 tile at D = 64: 180 against 164
-    unrolled, and 3 CTAs per SM need at most 168).  The interpreter runs the loop (UNROLL_BISECTION).
+    The steps are unrolled up to B < 2^31, each under a run-time test: as a run-time loop, the bisection cost the
+    kernels' main loops registers (ptxas, the Gluon forward's 64x128 tile at D = 64: 180 against 164 unrolled, and
+    3 CTAs per SM need at most 168).
     """
     lo = slot * 0  # int32 scalars made from the slot, not tl.zeros: Gluon's zeros would need a layout
     hi = lo + num_sequences  # invariant: t_lo <= slot < t_hi (t_B is the slot count)
-    if UNROLL_BISECTION:
-        for step in tl.static_range(31):
-            if step < search_steps:
-                lo, hi = _bisection_step(lo, hi, slot, cu_seqlens_ptr, BLOCK)
-    else:
-        for _ in range(search_steps):
-            lo, hi = _bisection_step(lo, hi, slot, cu_seqlens_ptr, BLOCK)
+    for step in tl.static_range(31):
+        if step < search_steps:
+            mid = (lo + hi) // 2
+            below = tl.load(cu_seqlens_ptr + mid) // BLOCK + mid <= slot
+            lo = tl.where(below, mid, lo)
+            hi = tl.where(below, hi, mid)
     first = tl.load(cu_seqlens_ptr + lo)
     length = tl.load(cu_seqlens_ptr + lo + 1) - first
     return lo, slot - (first // BLOCK + lo), first, length
