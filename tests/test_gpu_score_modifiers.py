@@ -147,11 +147,17 @@ GLUON_DKDV_BACKWARDS = {
     "five-product": ("triton_atomic", {}, "atomic", KernelVariant.ATOMIC_PREPROCESS),
     "five-product-ordered": ("triton_atomic", {"deterministic": True}, "atomic", KernelVariant.ATOMIC_ORDERED),
 }
+# Each of them with every Gluon config of the kernel it pins.
+GLUON_DKDV_CONFIGS = [
+    (backward, cfg)
+    for backward, (_, _, kernel, _) in GLUON_DKDV_BACKWARDS.items()
+    for cfg in CANDIDATES[kernel]
+    if cfg.gluon
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("cfg", [c for c in CANDIDATES["dkdv"] if c.gluon], ids=str)
-@pytest.mark.parametrize("backward", GLUON_DKDV_BACKWARDS)
+@pytest.mark.parametrize(("backward", "cfg"), GLUON_DKDV_CONFIGS, ids=str)
 def test_gluon_dkdv_applies_sliding_windows(backward, cfg, dtype):
     """The Gluon dK/dV kernel, pinned, on windowed calls (the launch layer sends them to it, not to its Triton twin),
     in the two-kernel backward and in the five-product one (dQ added atomically, in any or a fixed order): all five
@@ -186,8 +192,7 @@ GLUON_DKDV_MODIFIERS = [
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("cfg", [c for c in CANDIDATES["dkdv"] if c.gluon], ids=str)
-@pytest.mark.parametrize("backward", GLUON_DKDV_BACKWARDS)
+@pytest.mark.parametrize(("backward", "cfg"), GLUON_DKDV_CONFIGS, ids=str)
 def test_gluon_dkdv_applies_alibi_and_the_soft_cap(backward, cfg, dtype):
     """The Gluon dK/dV kernel, pinned, on ALiBi and soft-capped calls (alone, together and with a window) in the
     two-kernel and the five-product backwards: all five outputs within SPEC.md's bound of the float64 oracle, every

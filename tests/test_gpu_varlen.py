@@ -194,7 +194,7 @@ def test_gluon_backward_kernels_on_packed_batches(kernel, cfg, dtype, case):
         pytest.skip("the Gluon kernels need an sm_90 GPU")
     case = dataclasses.replace(GLUON_DKDV_CASES[case], dtype=dtype)
     if cfg not in candidates(kernel, head_dim_tile(case.head_dim), dtype, torch.device("cuda")):
-        pytest.skip(f"{cfg} does not fit the shared memory at D={case.head_dim} (the tuner drops it)")
+        pytest.skip(f"{cfg} is not a candidate at D={case.head_dim} (shared memory or registers: the tuner drops it)")
     reasons = _gluon_reasons(case.make(), VARIANTS[kernel], case.causal, **case.modifiers)
     assert not reasons, reasons
     _check(attnzoo.get("triton_2kernel", configs={kernel: cfg}), case)

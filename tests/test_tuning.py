@@ -229,6 +229,8 @@ def test_shipped_table_reads_back_from_the_logs(tmp_path):
         "h100_dkdv_tuning_d64.log",
         "h100_dkdv_tuning_d128.log",
         "h100_varlen_fwd_tuning_d64.log",
+        "h100_dkdv_tuning_d64_m128.log",
+        "h100_dkdv_tuning_d64_packed.log",
     ]
     winners = tuning.write_shipped_table([ROOT / "bench" / "results" / s for s in sources], H100.name, tmp_path / "t")
     assert shipped["gpu"] == H100.name and shipped["winners"] == winners
@@ -237,7 +239,8 @@ def test_shipped_table_reads_back_from_the_logs(tmp_path):
     # atomic kernel with Delta precomputed, as `tune` runs it), 6 FP8 forward ones (D 128, 4k-16k, causal or not), and
     # 16 at D = 256 (the forward at fp16/bf16, N 2k, 8k and 16k; bf16's dK/dV at 2k and 8k; causal or not).  The
     # short-forward logs retune keys the grids have, and so do the dQ kernel's tuning (its Gluon configs; dense and
-    # packed keys), the dK/dV kernel's (dense keys) and the packed D = 64 forward's.
+    # packed keys), the dK/dV kernel's (dense keys, and at D = 64 packed ones with the 128-row tile) and the packed
+    # D = 64 forward's.
     assert len(winners) == 254 and sum(" varlen" in key for key in winners) == 32
     assert sum("float8_e4m3fn" in key for key in winners) == 6 and sum("BLOCK_D=256" in key for key in winners) == 16
     for text, cfg in winners.items():

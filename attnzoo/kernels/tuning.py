@@ -164,6 +164,11 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         # 0.95-1.00x at D = 128; 32-row tiles and 3 stages were slower (docs/design.md).
         KernelConfig(64, 64, 4, 2, gluon=True),
         KernelConfig(64, 128, 8, 2, gluon=True),
+        # Q tiles of 128 rows at D <= 64 (``candidates`` drops it above): half the iterations, each with S^T and
+        # dP^T of 64 registers a thread beside dK and dV of 32 (no spills in ptxas, two CTAs per SM).  On the H100
+        # the backward ran 0.98-1.09x the shipped tiles' at D = 64 and 1.06-1.08x on a packed batch
+        # (docs/design.md).  At D = 128 the four accumulators would take 256 registers (ptxas: 768 B of spills).
+        KernelConfig(128, 64, 4, 2, gluon=True),
     ],
     # Q-stationary dQ: BLOCK_M query rows resident, BLOCK_N keys streamed.
     "dq": [
@@ -248,6 +253,8 @@ def candidates(
     the call is in the Gluon kernel's scope: its tiles hold exactly D and Dv columns (192 as 128 + 64, not the Triton
     kernels' power-of-two tile of 256), and its configs fit by those."""
     configs = CANDIDATES[kernel]
+    if kernel == "dkdv" and block_d > 64:  # (see the 128-row Gluon dK/dV tile in CANDIDATES)
+        configs = [c for c in configs if not (c.gluon and c.block_m > 64)]
     limit = _shared_memory_limit(device)
     itemsize = dtype.itemsize
 
