@@ -239,6 +239,12 @@ def _shared_memory_limit(device: torch.device) -> int:
     return _shared_memory_limit_of(device.index or 0)
 
 
+def fits_head_dim(kernel: str, cfg: KernelConfig, block_d: int) -> bool:
+    """Whether ``cfg`` of ``CANDIDATES[kernel]`` is a candidate at the head-dim tile ``block_d`` at all (before the
+    shared memory): the 128-row Gluon dK/dV tile is one up to 64 only (its accumulators' registers)."""
+    return not (kernel == "dkdv" and cfg.gluon and cfg.block_m > 64 and block_d > 64)
+
+
 def candidates(
     kernel: str,
     block_d: int,
@@ -252,9 +258,7 @@ def candidates(
     ``block_dv``: the Triton kernels' tile of v, o and do where Dv != D.  ``gluon_head_dims``: ``(D, Dv)`` where
     the call is in the Gluon kernel's scope: its tiles hold exactly D and Dv columns (192 as 128 + 64, not the Triton
     kernels' power-of-two tile of 256), and its configs fit by those."""
-    configs = CANDIDATES[kernel]
-    if kernel == "dkdv" and block_d > 64:  # (see the 128-row Gluon dK/dV tile in CANDIDATES)
-        configs = [c for c in configs if not (c.gluon and c.block_m > 64)]
+    configs = [c for c in CANDIDATES[kernel] if fits_head_dim(kernel, c, block_d)]
     limit = _shared_memory_limit(device)
     itemsize = dtype.itemsize
 
