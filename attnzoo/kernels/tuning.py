@@ -164,7 +164,7 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         # 0.95-1.00x at D = 128; 32-row tiles and 3 stages were slower (docs/design.md).
         KernelConfig(64, 64, 4, 2, gluon=True),
         KernelConfig(64, 128, 8, 2, gluon=True),
-        # Q tiles of 128 rows at D <= 64 (``candidates`` drops it above): half the iterations, each with S^T and
+        # Q tiles of 128 rows at D <= 64 (``fits_head_dim`` drops it above): half the iterations, each with S^T and
         # dP^T of 64 registers a thread beside dK and dV of 32 (no spills in ptxas, two CTAs per SM).  On the H100
         # the backward ran 0.98-1.09x the shipped tiles' at D = 64 and 1.06-1.08x on a packed batch
         # (docs/design.md).  At D = 128 the four accumulators would take 256 registers (ptxas: 768 B of spills).
