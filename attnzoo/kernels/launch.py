@@ -75,6 +75,12 @@ def rows_16_aligned(x: torch.Tensor) -> bool:
     return x.data_ptr() % 16 == 0 and all(stride % 16 == 0 for stride in x.stride()[:-1])
 
 
+def _masked_columns_narrow_v(head_dim: int, block_d: int, block_dv: int) -> bool:
+    """The case Triton 3.6 compiled wrong for v's rows that are not 16-element aligned (``value_tile_width``): q/k's
+    columns masked (D below its tile) and v's tile narrower than q/k's."""
+    return head_dim != block_d and block_dv < block_d
+
+
 def value_tile_width(head_dim: int, head_dim_v: int, block_d: int, v: torch.Tensor) -> int:
     """The Triton kernels' tile width of v, o and do (``BLOCK_DV``): Dv's power of two, or ``block_d`` where a narrower
     tile would be compiled wrong.
@@ -88,7 +94,7 @@ def value_tile_width(head_dim: int, head_dim_v: int, block_d: int, v: torch.Tens
     a misaligned ``do`` or ``o`` of such a call (``aligned_value_rows``).
     """
     block_dv = head_dim_tile(head_dim_v)
-    if head_dim != block_d and block_dv < block_d and (head_dim_v % 16 != 0 or not rows_16_aligned(v)):
+    if _masked_columns_narrow_v(head_dim, block_d, block_dv) and (head_dim_v % 16 != 0 or not rows_16_aligned(v)):
         block_dv = block_d
     return block_dv
 
@@ -97,8 +103,7 @@ def aligned_value_rows(x: torch.Tensor, call: PreparedCall) -> torch.Tensor:
     """``do`` or ``o`` for the backward kernels: a contiguous copy where the call keeps a v tile narrower than q/k's
     with D not a power of two (``value_tile_width``) and the rows of ``x`` are not 16-element aligned, else ``x``
     (``int32_addressable``)."""
-    narrow = call.problem.head_dim != call.block_d and call.block_dv < call.block_d
-    if narrow and not rows_16_aligned(x):
+    if _masked_columns_narrow_v(call.problem.head_dim, call.block_d, call.block_dv) and not rows_16_aligned(x):
         return x.clone(memory_format=torch.contiguous_format)
     return int32_addressable(x)
 
