@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import attnzoo
+from attnzoo.validation import validate_forward
 
 B, H, HKV, NQ, NK, D = 2, 4, 2, 8, 6, 16
 
@@ -221,3 +222,22 @@ def test_unsigned_seqlens_k_are_accepted():
     for dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
         o, _ = attnzoo.get("torch_fa2").forward(q, k, v, seqlens_k=lens.to(dtype))
         assert torch.equal(o, o_ref)
+
+
+def test_a_remembered_call_lets_no_equal_but_bad_argument_through():
+    """A plain call validated once is remembered (the same Problem comes back without the checks); an argument equal
+    to a remembered one but of another type (``1 == True``) is still checked and refused."""
+    q, k, v = good()
+    be = attnzoo.get("torch_fa2")
+    remembered = validate_forward(q, k, v, True, 0.5, None, (1, 0), 1.0)
+    assert validate_forward(q, k, v, True, 0.5, None, (1, 0), 1.0) is remembered
+    with pytest.raises(TypeError, match="causal"):
+        be.forward(q, k, v, causal=1, scale=0.5, window=(1, 0), softcap=1.0)
+    with pytest.raises(TypeError, match="window"):
+        be.forward(q, k, v, causal=True, scale=0.5, window=(True, 0), softcap=1.0)
+    with pytest.raises(TypeError, match="softcap"):
+        be.forward(q, k, v, causal=True, scale=0.5, window=(1, 0), softcap=True)
+    with pytest.raises(TypeError, match="scale"):
+        be.forward(q, k, v, causal=True, scale=True, window=(1, 0), softcap=1.0)
+    with pytest.raises(ValueError, match="head dim"):  # other shapes are other calls
+        be.forward(q, k[..., :8], v, causal=True, scale=0.5, window=(1, 0), softcap=1.0)

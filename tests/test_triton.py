@@ -337,6 +337,25 @@ def test_descriptor_loads_need_aligned_rows_and_a_unit_last_stride():
     torch.testing.assert_close(o.double(), oracle.reference(q, k, v).o, atol=1e-5, rtol=1e-5)
 
 
+@needs_descriptors
+def test_a_prepared_call_is_reused_only_for_the_same_signature():
+    """``prepare`` remembers a dense call's fields by its signature (the problem, the strides, the base addresses
+    modulo 16): other tensors of that signature get the same decisions, a base off alignment gets its own, and the
+    remembered template holds no tensor."""
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    problem = validate_forward(q, k, v)
+    first = prepare(q, k, v, problem)
+    q2, k2, v2 = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    again = prepare(q2, k2, v2, problem)
+    assert again.q is q2 and again.k is k2 and again.v is v2
+    assert again.derived is first.derived and again.kv_descriptors
+    shifted = torch.randn(2 * 8 * 16 + 1)[1:].view(1, 2, 8, 16)  # the same strides, the base 4 bytes past alignment
+    off = prepare(q2, shifted, v2, problem)
+    assert off.k is shifted and off.derived is not first.derived and not off.kv_descriptors
+    assert prepare(q, k, v, problem).kv_descriptors
+    assert all(t.q is None and t.k is None and t.v is None for t in launch_module._TEMPLATES.values())
+
+
 def test_a_gluon_config_outside_the_hopper_scope_runs_its_triton_twin():
     """A ``gluon`` config runs a Gluon Hopper kernel only where it can (``KernelVariant.gluon_scope``); here (the
     interpreter, or float32 on a GPU) the forward, the dQ and the dK/dV kernel run their Triton kernels with the same

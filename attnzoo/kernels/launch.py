@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import torch
@@ -325,6 +325,17 @@ class PreparedCall:
     varlen_args: tuple = ()
     # FP8 inputs (``attnzoo.attention_fp8``): float32 ``[B, Hkv, 3]`` factors of q, k and v; o is bfloat16.
     descale: torch.Tensor | None = None
+    # What launches decide from the call alone (Gluon scope reasons, tuning keys), remembered by ``gluon_reasons`` and
+    # ``run``; one dict for every call prepared from the same template (``prepare``), which all decide alike.
+    derived: dict = field(default_factory=dict)
+
+    def with_tensors(self, q: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor | None) -> PreparedCall:
+        """This call with other q, k, v of the same signature (``_signature``); the ``derived`` dict is shared."""
+        call = object.__new__(PreparedCall)  # a shallow copy (copy.copy's __reduce_ex__ path takes 3x the host time)
+        call.__dict__.update(self.__dict__)
+        call.q, call.k, call.v = q, k, v
+        call.__dict__.pop("kv_descriptors", None)  # a cached property: recomputed for the new tensors
+        return call
 
     @property
     def output_dtype(self) -> torch.dtype:
@@ -412,11 +423,20 @@ class PreparedCall:
         return buf
 
     def gluon_reasons(self, variant: KernelVariant, *extra_tma_operands: torch.Tensor) -> list[str]:
-        """Why a ``gluon`` config of ``variant`` runs its Triton twin on this call; [] when the Gluon kernel runs."""
-        scope = variant.gluon_scope
-        if scope is None:
-            return [f"{variant.value} has no Gluon kernel"]
-        return scope.not_supported_reasons(self, extra_tma_operands)
+        """Why a ``gluon`` config of ``variant`` runs its Triton twin on this call; [] when the Gluon kernel runs.
+
+        Remembered in ``derived``: the reasons depend on the call's signature and, of the extra operands (``do``,
+        ``o``), only on whether TMA can address them."""
+        key = (variant, *(descriptor_loads_possible(x) for x in extra_tma_operands))
+        reasons = self.derived.get(key)
+        if reasons is None:
+            scope = variant.gluon_scope
+            if scope is None:
+                reasons = [f"{variant.value} has no Gluon kernel"]
+            else:
+                reasons = scope.not_supported_reasons(self, extra_tma_operands)
+            self.derived[key] = reasons
+        return reasons
 
 
 def prepare(
@@ -430,7 +450,64 @@ def prepare(
 ) -> PreparedCall:
     """The prepared call of validated inputs (``problem`` from ``attnzoo.validation``); inputs are never copied unless
     their strides could wrap int32 offsets inside a tile.  ``descale``: FP8 inputs' float32 ``[B, Hkv, 3]`` factors
-    (``attnzoo.fp8``)."""
+    (``attnzoo.fp8``).
+
+    A call whose signature (``_signature``) was prepared before is that call's template with the new tensors: every
+    field but q, k and v follows from the signature.
+    """
+    signature = _signature(q, k, v, problem, forced, counts, descale)
+    if signature is not None:
+        template = _TEMPLATES.get(signature)
+        if template is not None:
+            return template.with_tensors(q, k, v)
+    call = _prepare(q, k, v, problem, forced, counts, descale)
+    if signature is not None and call.q is q and call.k is k and call.v is v:  # no copies were needed
+        if len(_TEMPLATES) >= _TEMPLATES_MAX:
+            _TEMPLATES.clear()
+        _TEMPLATES[signature] = call.with_tensors(None, None, None)  # the template keeps no tensor alive
+    return call
+
+
+# Prepared calls by signature: repeated calls (a training loop, a decoding loop) skip deriving the same fields.
+_TEMPLATES: dict[tuple, PreparedCall] = {}
+_TEMPLATES_MAX = 256
+
+
+def _signature(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    problem: Problem,
+    forced: Mapping[str, KernelConfig] | None,
+    counts: dict | None,
+    descale: torch.Tensor | None,
+) -> tuple | None:
+    """What a dense call's ``PreparedCall`` follows from, or None for a call prepared afresh every time (tile counters,
+    FP8 factors, ``seqlens_k``, ALiBi slopes or a packed batch: tensors of their own, read into the call).
+
+    The problem (shapes, dtype, device, every argument), the forced configs, and of q, k, v their strides and base
+    addresses modulo 16 (TMA addressability, Triton's alignment specialisation); the dot precision follows PyTorch's
+    TF32 switch.  Triton's interpreter switch and the device's properties are fixed for the process.
+    """
+    if counts is not None or descale is not None or problem.seqlens_k is not None or problem.alibi_slopes is not None:
+        return None
+    if problem.cu_seqlens_q is not None:
+        return None
+    return (
+        problem, tuple(forced.items()) if forced else (), dot_precision(problem.dtype),
+        q.stride(), k.stride(), v.stride(), q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16,
+    )  # fmt: skip
+
+
+def _prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    problem: Problem,
+    forced: Mapping[str, KernelConfig] | None,
+    counts: dict[KernelVariant, torch.Tensor] | None,
+    descale: torch.Tensor | None,
+) -> PreparedCall:
     q, k, v = (int32_addressable(x) for x in (q, k, v))
     block_d = head_dim_tile(problem.head_dim)
     if descale is not None:  # an FP8 product reduces over at least 32 elements (the head dim in q k^T)
@@ -638,6 +715,34 @@ _GLUON_SCOPES[KernelVariant.ATOMIC_PREPROCESS] = _GLUON_SCOPES[KernelVariant.ATO
 )
 
 
+def _tuning_key(call: PreparedCall, variant: KernelVariant, gluon_in_scope: bool) -> tuple:
+    """The tuning key of ``variant`` on ``call`` (``tuning.launch_with_best``; remembered in ``call.derived``)."""
+    derived_key = ("tuning key", variant, gluon_in_scope)
+    key = call.derived.get(derived_key)
+    if key is not None:
+        return key
+    q = call.q
+    key = call.derived[derived_key] = (
+        variant.value,
+        call.block_d,
+        q.dtype,
+        call.causal,
+        call.has_seqlens,
+        seqlen_bucket(call.problem.seqlen_q),  # packed: the longest sequence's (its hint)
+        seqlen_bucket(call.problem.seqlen_k),
+        call.dot_precision,
+        call.modifiers.key,
+        # The Gluon kernels' tiles hold the exact head dims (192 as 128 + 64), the Triton kernels' the tile BLOCK_D:
+        # where Gluon runs a head dim below its tile, the key says which, so that no other head dim takes its winner.
+        f"D={call.problem.head_dim}" if gluon_in_scope and call.problem.head_dim != call.block_d else "",
+        # FP8 calls of one key split between the kernels (the Gluon one needs Nk a multiple of 16, for TMA rows of
+        # v's keys-contiguous view): those on the Triton kernel keep their winner apart.
+        "triton" if call.descale is not None and not gluon_in_scope else "",
+        q.device.index,
+    )
+    return key
+
+
 def run(
     call: PreparedCall,
     variant: KernelVariant,
@@ -659,24 +764,7 @@ def run(
         launch(cfg)
         return cfg
     q = call.q
-    key = (
-        variant.value,
-        call.block_d,
-        q.dtype,
-        call.causal,
-        call.has_seqlens,
-        seqlen_bucket(call.problem.seqlen_q),  # packed: the longest sequence's (its hint)
-        seqlen_bucket(call.problem.seqlen_k),
-        call.dot_precision,
-        call.modifiers.key,
-        # The Gluon kernels' tiles hold the exact head dims (192 as 128 + 64), the Triton kernels' the tile BLOCK_D:
-        # where Gluon runs a head dim below its tile, the key says which, so that no other head dim takes its winner.
-        f"D={call.problem.head_dim}" if gluon_in_scope and call.problem.head_dim != call.block_d else "",
-        # FP8 calls of one key split between the kernels (the Gluon one needs Nk a multiple of 16, for TMA rows of
-        # v's keys-contiguous view): those on the Triton kernel keep their winner apart.
-        "triton" if call.descale is not None and not gluon_in_scope else "",
-        q.device.index,
-    )
+    key = _tuning_key(call, variant, gluon_in_scope)
 
     def configs_in_scope() -> list[KernelConfig]:
         head_dims = (call.problem.head_dim, call.problem.head_dim_v) if gluon_in_scope else None
