@@ -146,19 +146,19 @@ class Backend:
             )
 
     def _check(self, problem: Problem) -> None:
-        # A problem this backend's class has run before passes again: the reasons follow from the problem's fields and
-        # from which of its tensor arguments are given (not part of a Problem's equality).
-        given = (problem.seqlens_k is None, problem.alibi_slopes is None, problem.cu_seqlens_q is None)
-        key = (type(self), problem, given)
-        if key in _SUPPORTED:
+        # A problem without tensor arguments (which take no part in a Problem's equality, and which the set would keep
+        # alive) that this backend ran before passes again: its reasons follow from the problem's fields.
+        remembered = problem.seqlens_k is None and problem.alibi_slopes is None and problem.cu_seqlens_q is None
+        if remembered and (self, problem) in _SUPPORTED:
             return
         self._check_head_dim(problem)
         reasons = self.reasons_for(problem)
         if reasons:
             raise NotImplementedError(f"backend {self.name!r} does not support this input: " + "; ".join(reasons))
-        if len(_SUPPORTED) >= 256:
-            _SUPPORTED.clear()
-        _SUPPORTED.add(key)
+        if remembered:
+            if len(_SUPPORTED) >= 256:
+                _SUPPORTED.clear()
+            _SUPPORTED.add((self, problem))
 
     # -- the contract --------------------------------------------------------------------------------
     def forward(
@@ -356,7 +356,7 @@ def _on_device(problem: Problem) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-# (backend class, problem, ...) of the problems that passed ``Backend._check``.
+# (backend, problem) of the problems without tensor arguments that passed ``Backend._check``.
 _SUPPORTED: set[tuple] = set()
 _REGISTRY: dict[str, Backend] = {}
 

@@ -189,8 +189,8 @@ def validate_forward(
                              check_values, fp8)  # fmt: skip
 
 
-# Validated plain calls: a training loop or a decoding loop repeats the same shapes and arguments, and their checks
-# cost host time on every call (about 11 us on the H100 machine's host, a tenth of a small forward's; docs/design.md).
+# Validated plain calls: a training loop repeats the same shapes and arguments, and their checks cost host time on
+# every call (about 11 us on an H200 machine's host, a tenth of a small forward's; docs/design.md, "Host time").
 _PLAIN_PROBLEMS: dict[tuple, Problem] = {}
 _PLAIN_PROBLEMS_MAX = 256
 

@@ -237,7 +237,8 @@ def test_a_remembered_call_lets_no_equal_but_bad_argument_through():
         be.forward(q, k, v, causal=True, scale=0.5, window=(True, 0), softcap=1.0)
     with pytest.raises(TypeError, match="softcap"):
         be.forward(q, k, v, causal=True, scale=0.5, window=(1, 0), softcap=True)
-    with pytest.raises(TypeError, match="scale"):
+    validate_forward(q, k, v, True, 1.0, None, (1, 0), 1.0)
+    with pytest.raises(TypeError, match="scale"):  # True == 1.0
         be.forward(q, k, v, causal=True, scale=True, window=(1, 0), softcap=1.0)
     with pytest.raises(ValueError, match="head dim"):  # other shapes are other calls
         be.forward(q, k[..., :8], v, causal=True, scale=0.5, window=(1, 0), softcap=1.0)

@@ -353,6 +353,15 @@ def test_a_prepared_call_is_reused_only_for_the_same_signature():
     off = prepare(q2, shifted, v2, problem)
     assert off.k is shifted and off.derived is not first.derived and not off.kv_descriptors
     assert prepare(q, k, v, problem).kv_descriptors
+    transposed = torch.randn(1, 8, 2, 16).transpose(1, 2)  # other strides
+    assert prepare(q, transposed, v, problem).derived is not first.derived
+    forced = {"forward": KernelConfig(16, 16, 1, 1)}
+    pinned = prepare(q, k, v, problem, forced=forced)
+    assert pinned.derived is not first.derived and pinned.forced == forced
+    narrow_q, narrow_k = torch.randn(1, 2, 8, 40), torch.randn(1, 2, 8, 40)
+    for v_rows, block_dv in ((torch.randn(1, 2, 8, 32), 32), (torch.randn(1, 2, 8, 40)[..., :32], 64)):
+        narrow = validate_forward(narrow_q, narrow_k, v_rows)  # v's row stride decides its tile (value_tile_width)
+        assert prepare(narrow_q, narrow_k, v_rows, narrow).block_dv == block_dv
     assert all(t.q is None and t.k is None and t.v is None for t in launch_module._TEMPLATES.values())
 
 

@@ -425,18 +425,20 @@ class PreparedCall:
     def gluon_reasons(self, variant: KernelVariant, *extra_tma_operands: torch.Tensor) -> list[str]:
         """Why a ``gluon`` config of ``variant`` runs its Triton twin on this call; [] when the Gluon kernel runs.
 
-        Remembered in ``derived``: the reasons depend on the call's signature and, of the extra operands (``do``,
-        ``o``), only on whether TMA can address them."""
-        key = (variant, *(descriptor_loads_possible(x) for x in extra_tma_operands))
+        Remembered in ``derived``: the reasons depend on the call's signature, on whether a Gluon kernel failed to
+        compile in this process (``gluon_unavailable_reason``), and of the extra operands (``do``, ``o``) only on
+        whether TMA can address them."""
+        available = gluon_unavailable_reason() is None
+        key = (variant, available, *(descriptor_loads_possible(x) for x in extra_tma_operands))
         reasons = self.derived.get(key)
         if reasons is None:
             scope = variant.gluon_scope
             if scope is None:
-                reasons = [f"{variant.value} has no Gluon kernel"]
+                reasons = (f"{variant.value} has no Gluon kernel",)
             else:
-                reasons = scope.not_supported_reasons(self, extra_tma_operands)
+                reasons = tuple(scope.not_supported_reasons(self, extra_tma_operands))
             self.derived[key] = reasons
-        return reasons
+        return list(reasons)
 
 
 def prepare(
@@ -468,7 +470,7 @@ def prepare(
     return call
 
 
-# Prepared calls by signature: repeated calls (a training loop, a decoding loop) skip deriving the same fields.
+# Prepared calls by signature: repeated dense calls (a training loop) skip deriving the same fields.
 _TEMPLATES: dict[tuple, PreparedCall] = {}
 _TEMPLATES_MAX = 256
 
@@ -487,14 +489,15 @@ def _signature(
 
     The problem (shapes, dtype, device, every argument), the forced configs, and of q, k, v their strides and base
     addresses modulo 16 (TMA addressability, Triton's alignment specialisation); the dot precision follows PyTorch's
-    TF32 switch.  Triton's interpreter switch and the device's properties are fixed for the process.
+    TF32 switch, and the soft cap's tanh Triton's interpreter switch.  The device's properties are fixed for the
+    process.
     """
     if counts is not None or descale is not None or problem.seqlens_k is not None or problem.alibi_slopes is not None:
         return None
     if problem.cu_seqlens_q is not None:
         return None
     return (
-        problem, tuple(forced.items()) if forced else (), dot_precision(problem.dtype),
+        problem, tuple(forced.items()) if forced else (), dot_precision(problem.dtype), triton_interpreter_active(),
         q.stride(), k.stride(), v.stride(), q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16,
     )  # fmt: skip
 
@@ -533,7 +536,7 @@ def _prepare(
         v=v,
         problem=problem,
         seqlens=seqlens,
-        forced=forced or {},
+        forced=dict(forced) if forced else {},  # a copy: templates outlive the caller's mapping
         counts=counts,
         scale=problem.scale,
         causal=problem.causal,
