@@ -176,17 +176,15 @@ def validate_forward(
     A plain call (``_plain_call_key``) that repeats one seen before returns the same ``Problem`` without the checks.
     """
     key = _plain_call_key(q, k, v, causal, scale, seqlens_k, window, softcap, alibi_slopes, allow_numpy, fp8)
-    if key is not None:
-        problem = _PLAIN_PROBLEMS.get(key)
-        if problem is None:
-            problem = _validate_forward(q, k, v, causal, scale, seqlens_k, window, softcap, alibi_slopes, allow_numpy,
-                                        check_values, fp8)  # fmt: skip
+    problem = _PLAIN_PROBLEMS.get(key) if key is not None else None
+    if problem is None:
+        problem = _validate_forward(q, k, v, causal, scale, seqlens_k, window, softcap, alibi_slopes, allow_numpy,
+                                    check_values, fp8)  # fmt: skip
+        if key is not None:
             if len(_PLAIN_PROBLEMS) >= _PLAIN_PROBLEMS_MAX:
                 _PLAIN_PROBLEMS.clear()
             _PLAIN_PROBLEMS[key] = problem
-        return problem
-    return _validate_forward(q, k, v, causal, scale, seqlens_k, window, softcap, alibi_slopes, allow_numpy,
-                             check_values, fp8)  # fmt: skip
+    return problem
 
 
 # Validated plain calls: a training loop repeats the same shapes and arguments, and their checks cost host time on
