@@ -266,3 +266,24 @@ def test_import_without_triton():
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_the_untimed_dkdv_pick_at_d64_is_the_128_row_gluon_tile_except_with_a_soft_cap(tuner, monkeypatch):
+    """Head-dim tile 64 and no stored winner (here: score-modified keys, which the shipped table lacks): the dK/dV
+    kernel takes the Gluon tile of 128 query rows (within 8% of the winner at every dense key of the H100's tuning),
+    but not with a soft cap, where it spills: the 64-row Gluon tile there; without Gluon, the Triton tile of the list.
+    At tile 128 the pick stays the 64-row Gluon tile."""
+    monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 232_448)  # an H100's
+    configs = tuning.candidates("dkdv", 64, torch.float16, torch.device("cpu"))
+    triton_only = [c for c in configs if not c.gluon]
+    assert str(tuning.heuristic_pick("dkdv", 64, triton_only, softcap=True)) == "64x64 w4 s3"
+    wide = tuning.candidates("dkdv", 128, torch.float16, torch.device("cpu"))
+    assert str(tuning.heuristic_pick("dkdv", 128, wide, softcap=True)) == "64x64 w4 s2 gluon"
+    for modifiers, expected in (
+        ("window alibi", "128x64 w4 s2 gluon"),
+        ("softcap", "64x64 w4 s2 gluon"),
+        ("window softcap alibi", "64x64 w4 s2 gluon"),
+    ):
+        key = ("dkdv", 64, torch.float16, True, False, 16384, 16384, "ieee", modifiers, "", "", 0)
+        assert str(tuning.launch_with_best(key, lambda: configs, lambda c: None)) == expected
+        assert tuner.sources[key] == "heuristic"
