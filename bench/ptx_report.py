@@ -121,7 +121,7 @@ def gluon_source(
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from attnzoo.kernels.backward_gluon import attention_dkdv_hopper_kernel, dq_share_width
+    from attnzoo.kernels.backward_gluon import attention_dkdv_hopper_kernel, dkdv_warp_specialized, dq_share_width
     from attnzoo.kernels.backward_gluon_dq import attention_dq_hopper_kernel
     from attnzoo.kernels.forward_gluon import KERNEL_WARPS, attention_forward_hopper_kernel
 
@@ -131,6 +131,9 @@ def gluon_source(
         kernel, q_rows, num_warps = attention_dq_hopper_kernel, 64, KERNEL_WARPS
     else:
         kernel, q_rows, num_warps = attention_dkdv_hopper_kernel, cfg.block_m, cfg.num_warps
+    warp_specialized = kernel_name == "dkdv" and dkdv_warp_specialized(cfg.num_warps, "dq_atomic" in modifiers, d)
+    if warp_specialized:  # launched with the default partition's warpgroup; k/v boxes of one warpgroup's keys
+        num_warps = KERNEL_WARPS
 
     from attnzoo.kernels.gluon_hopper import head_dim_parts
 
@@ -150,7 +153,8 @@ def gluon_source(
                  CAUSAL=causal, NUM_STAGES=cfg.num_stages, IS_FP16=dtype == "fp16", NUM_WARPGROUPS=cfg.block_m // 64,
                  WINDOW_LEFT="window" in modifiers, WINDOW_RIGHT=False, SOFTCAP="softcap" in modifiers,
                  ALIBI="alibi" in modifiers, PERSISTENT=cfg.persistent, VARLEN="varlen" in modifiers,
-                 DESCALE=fp8, DQ_ATOMIC="dq_atomic" in modifiers, DQ_ORDERED="dq_ordered" in modifiers)  # fmt: skip
+                 DESCALE=fp8, DQ_ATOMIC="dq_atomic" in modifiers, DQ_ORDERED="dq_ordered" in modifiers,
+                 WARP_SPECIALIZED=warp_specialized)  # fmt: skip
     signature, constexprs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in flags:
@@ -161,6 +165,7 @@ def gluon_source(
             signature[name] = f"tensordesc<fp32[{', '.join(map(str, box))}],{layout!r}>"
         elif name.endswith("_desc"):
             rows = q_rows if name in ("q_desc", "q2_desc", "o_desc", "do_desc", "dq_desc") else cfg.block_n
+            rows = 64 if warp_specialized and name in ("k_desc", "v_desc", "dk_desc", "dv_desc") else rows
             width = {"v_desc": dv, "o_desc": dv, "q2_desc": d_second or d_first, "k2_desc": d_second or d_first}
             if fp8 and name == "v_desc":  # v keys-contiguous: Dv rows of BLOCK_N keys
                 signature[name] = descriptor(dv, cfg.block_n, name)

@@ -123,6 +123,19 @@ def test_the_five_product_backward_adds_dq_by_tma_reductions():
             assert re.search(r"reductions (.*?), wgmma waits", line).group(1) == f"{d // 64}xtma", line
             shared = int(re.search(r"(\d+) B shared memory", line).group(1))
             assert shared <= shared_memory_estimate("atomic", cfg, d, 2), line
+            # The 128-key tile at D = 128 is warp-specialised (each warpgroup adds its 64 columns of the share:
+            # still two reductions a tile); its registers stay within what setmaxnreg gives, a few words spilled.
+            specialised = cfg.num_warps == 8 and d == 128
+            assert ("setmaxnreg" in line) == specialised, line
+            spills = int(re.search(r"spill (\d+)/", line).group(1))
+            assert not specialised or spills <= 16, line
+    # Ordered additions too: each warpgroup takes its turn on a lock of its own (its columns), the 64-key tile on one.
+    ordered = _ptx_report(
+        "--kernel", "dkdv", "--d", "128", "--config", "64,128,8,2,gluon;64,64,4,2,gluon",
+        "--modifiers", "dq_atomic,dq_ordered",
+    )  # fmt: skip
+    assert len(ordered) == 2 and "setmaxnreg" in ordered[0] and "setmaxnreg" not in ordered[1], ordered
+    assert all(re.search(r"reductions 2xtma,", line) for line in ordered), ordered
 
 
 def test_the_fp8_forward_multiplies_fp8_on_the_tensor_cores():

@@ -362,7 +362,8 @@ def attention_backward_atomic(
                 # additions need no row mask.
                 tiles = num_blocks(Nq, cfg.block_m)
                 dq_acc = buffer("dq_acc", (B, H, tiles * cfg.block_m, D), torch.float32, zeroed=True)
-                dq_locks = buffer("dq_locks", (B, H, tiles), torch.int32, zeroed=True) if ordered else None
+                # One lock per Q tile and column part (a warp-specialised block's warpgroups add apart).
+                dq_locks = buffer("dq_locks", (B, H, tiles, 2), torch.int32, zeroed=True) if ordered else None
                 dk, dv = buffer("dk", k.shape, q.dtype), buffer("dv", v.shape, q.dtype)
                 attention_dkdv_hopper(
                     q, k, v, do, lse2, delta, dk, dv, call.scale, call.causal, modifiers,

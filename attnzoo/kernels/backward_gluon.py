@@ -19,8 +19,10 @@ K/V block's loop), with ``P = exp2(S * scale * log2(e) - lse2)`` and ``dS = P * 
 As in the Triton kernel the tiles are transposed (keys along the rows), so P^T and dS^T leave the arithmetic in the
 registers of the left operand of ``dV`` and ``dK``: no shared-memory round trip.  K and V are resident (one TMA
 load); Q and dO tiles stream through two rings of NUM_STAGES slots, slot ``i`` of both completing on one mbarrier
-when their bytes have landed, and a slot is refilled once every warpgroup has waited for the products that read it (a
-CTA-wide barrier at the end of the iteration).  lse2 (lse in base 2, +inf for an empty row) and Delta come from the
+when their bytes have landed, and a slot is refilled once every warpgroup has waited for the products that read it:
+in a block of one warpgroup (64 keys) by that warpgroup after a barrier of its warps; in a block of 128 keys by a
+producer warp (``gl.warp_specialize``) once both warpgroups have released the slot, the warpgroups otherwise free
+to drift apart (WARP_SPECIALIZED).  lse2 (lse in base 2, +inf for an empty row) and Delta come from the
 dQ kernel, which runs first; each iteration loads the next tile's into a two-slot shared-memory buffer, from which
 the arithmetic reads them (fewer registers live than the per-tile loads, whose latency it also hides).
 
@@ -35,7 +37,13 @@ dO addressable by TMA.  ``seqlens_k`` is out of it: K/V rows past
 ``seqlens_k[b]`` may hold NaN, which ``dP^T`` would carry into dK rows that must be 0.
 
 With DQ_ATOMIC the same kernel is the five-product backward (``triton_atomic`` on Hopper): it also adds each Q
-tile's share of dQ into a float32 buffer, in a fixed order with DQ_ORDERED (see the kernel's docstring).
+tile's share of dQ into a float32 buffer, in a fixed order with DQ_ORDERED (see the kernel's docstring).  Its
+warp-specialised block at D = 128 splits dQ's columns between the warpgroups, as FlashAttention-3 does: each
+publishes its keys' dS^T in shared memory and multiplies the whole tile by its 64 columns of K
+(``_exchange_ds_add_dq``), so that a warpgroup holds a 64 x 64 dQ accumulator beside dK and dV, not 64 x 128; ptxas
+fits it in the 240 and 248 registers that ``setmaxnreg`` gives (4-12 B of spills, where the block of two warpgroups
+in step, at 255 registers, spilled 116-120 B).  On the H100 it runs the backward at 0.89-0.94x cuDNN's at D = 128,
+where that block ran 0.69-0.74x (docs/design.md).
 
 Packed batches (VARLEN, ``attention_varlen``) run on ``[1, H, total, D]`` views, one K/V block of one sequence per
 program.  A Q/dO box of a sequence's last Q tile reaches into the next sequence's rows: those rows are zeroed in
@@ -51,6 +59,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .common import LOG2E, kv_block_opening, q_loop_bounds
+from .forward_gluon import KERNEL_WARPS
 from .gluon_hopper import (
     accumulator_layout,
     cta_barrier,
@@ -169,21 +178,400 @@ if gluon is not None:
         not only read: run by every thread, since more than one issued), fence, and set the lock to
         ``n_block + 1``."""
         BLOCK_M: gl.constexpr = dq_desc.block_type.shape[2]
-        lock = dq_locks_ptr + (batch * num_heads + head).to(gl.int64) * num_m_tiles + start_m // BLOCK_M
+        lock = _dq_lock(dq_locks_ptr, batch, head, num_heads, num_m_tiles, start_m // BLOCK_M, 0)
         if DQ_ORDERED:
-            if after_predecessor:
-                while gl.atomic_cas(lock, n_block, n_block, sem="acquire") != n_block:
-                    pass
-            cta_barrier()  # no reduction starts before the lock showed the predecessor's share in
+            _wait_turn(lock, n_block, after_predecessor)
         tma_reduce_add(dq_desc, [batch, head, start_m, 0], dq_first_smem)
         if DQ_PARTS == 2:
             tma_reduce_add(dq_desc, [batch, head, start_m, DQ_WIDTH], dq_second_smem)
         if DQ_ORDERED:
-            gl.inline_asm_elementwise(
-                "cp.async.bulk.wait_group 0; fence.acq_rel.gpu; mov.b32 $0, 0;", "=r,r", [n_block], gl.int32, False, 1
+            _pass_turn(lock, n_block)
+
+    @gluon.jit
+    def _dq_lock(dq_locks_ptr, batch, head, num_heads, num_m_tiles, m_tile, part):
+        """The int32 lock of column part ``part`` (0, or a warp-specialised block's warpgroup) of the dQ of Q tile
+        ``m_tile`` of ``(batch, head)``: ``dq_locks`` is ``[B, H, num_m_tiles, 2]``."""
+        return dq_locks_ptr + ((batch * num_heads + head).to(gl.int64) * num_m_tiles + m_tile) * 2 + part
+
+    @gluon.jit
+    def _wait_turn(lock, n_block, after_predecessor):
+        """Ordered dQ additions: when the block before this one also adds into the tile (``after_predecessor``),
+        wait until ``lock`` shows ``n_block``; then no thread of these warps starts a reduction before it did."""
+        if after_predecessor:
+            while gl.atomic_cas(lock, n_block, n_block, sem="acquire") != n_block:
+                pass
+        cta_barrier()
+
+    @gluon.jit
+    def _pass_turn(lock, n_block):
+        """Ordered dQ additions: wait until this block's reductions are performed (``cp.async.bulk.wait_group 0``,
+        not only read: run by every thread, since more than one issued), fence, and set ``lock`` to
+        ``n_block + 1``."""
+        gl.inline_asm_elementwise(
+            "cp.async.bulk.wait_group 0; fence.acq_rel.gpu; mov.b32 $0, 0;", "=r,r", [n_block], gl.int32, False, 1
+        )  # fmt: skip
+        cta_barrier()  # every issuer's reductions are performed before the lock says so
+        gl.atomic_xchg(lock, n_block + 1, sem="release")
+
+    @gluon.jit
+    def _exchange_ds_add_dq(
+        ds_t, in_flight, k_smem, exchange, dq_desc, t, batch, head, start_m, sm_scale, order,
+        PART: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, DQ_ORDERED: gl.constexpr,
+    ):  # fmt: skip
+        """The warp-specialised five-product block's dQ share of Q tile ``t``: ``scale * dS K[:, cols]`` over all 128
+        keys of the block, for this warpgroup's 64 columns ``cols`` (FlashAttention-3's split: a 64 x 64 accumulator,
+        where the share of its own 64 keys over all D columns would be 64 x 128, 64 registers a thread).
+
+        Each warpgroup stores its 64 rows of dS^T (``ds_t``, 16-bit) into slot ``t % 2`` of ``ds_exchange`` and
+        arrives on the slot's "ready" mbarrier; once both have, each multiplies the whole tile (its transpose is the
+        left operand) with its columns of K, arrives on the slot's "free" mbarrier when the product is done (the slot
+        is rewritten two tiles later, after both arrivals), and adds its share into the float32 accumulator of
+        ``dq_desc`` by one TMA reduction from its staging tile.  ``in_flight``: dV, dK and their register operands,
+        still running; returned once complete.  DQ_ORDERED: ``order = (dq_locks_ptr, num_heads, num_m_tiles,
+        n_block, after_predecessor)``; each warpgroup's columns have a lock of their own (``_dq_lock``), so that the
+        two add in block order independently."""
+        ds_exchange, dq_stage, ds_ready, ds_free = exchange
+        KEYS: gl.constexpr = 64
+        slot = t % 2
+        use = t // 2
+        ds_slot = ds_exchange.index(slot)
+        mbarrier.wait(ds_free.index(slot), (use & 1) ^ 1)  # both products of tile t - 2 have read the slot
+        ds_slot.slice(PART * KEYS, KEYS).store(ds_t)
+        fence_async_shared()
+        cta_barrier()  # every warp's rows are in, before the other warpgroup hears of them
+        mbarrier.arrive(ds_ready.index(slot))
+        mbarrier.wait(ds_ready.index(slot), use & 1)
+        dq_layout: gl.constexpr = accumulator_layout(4, KEYS)
+        k_first = k_smem.index(0).reshape([KEYS, BLOCK_D]).slice(PART * KEYS, KEYS, dim=1)
+        k_second = k_smem.index(1).reshape([KEYS, BLOCK_D]).slice(PART * KEYS, KEYS, dim=1)
+        dq = warpgroup_mma(
+            ds_slot.slice(0, KEYS).permute((1, 0)), k_first, gl.zeros([BLOCK_M, KEYS], gl.float32, dq_layout),
+            use_acc=False, is_async=True,
+        )  # fmt: skip
+        dq = warpgroup_mma(ds_slot.slice(KEYS, KEYS).permute((1, 0)), k_second, dq, is_async=True)
+        dv, dk, p_op, ds_op = in_flight
+        dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op, dq))
+        mbarrier.arrive(ds_free.index(slot))
+        stage = dq_stage.index(PART)
+        tma.store_wait(0)  # the previous tile's reduction has read the staging tile (each issuer waits for its own)
+        cta_barrier()
+        stage.reshape([BLOCK_M, KEYS]).store(dq * sm_scale)
+        fence_async_shared()
+        cta_barrier()
+        if DQ_ORDERED:
+            dq_locks_ptr, num_heads, num_m_tiles, n_block, after_predecessor = order
+            lock = _dq_lock(dq_locks_ptr, batch, head, num_heads, num_m_tiles, start_m // BLOCK_M, PART)
+            _wait_turn(lock, n_block, after_predecessor)
+        tma_reduce_add(dq_desc, [batch, head, start_m, PART * KEYS], stage)
+        if DQ_ORDERED:
+            _pass_turn(lock, n_block)
+        return dv, dk, p_op, ds_op
+
+    @gluon.jit
+    def _dkdv_keys(
+        inputs, outputs, smem, bars, scalars, stats, stats_at, modifiers, dq_share, exchange,
+        PART: gl.constexpr, NUM_WARPS: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
+        BLOCK_D: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        VARLEN: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+        ALIBI: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_ORDERED: gl.constexpr, INLINE_LOADS: gl.constexpr,
+    ):  # fmt: skip
+        """dK and dV of the KEYS keys of part PART of the K/V block, computed by NUM_WARPS warps (16 keys a warp; the
+        loop of the module docstring), and their store.
+
+        INLINE_LOADS: these warps are the whole block and refill the Q/dO ring themselves (the kernel has issued K, V
+        and the first NUM_STAGES tiles); else they are one warpgroup of the warp-specialised block and release each
+        slot to the producer warp (``_dkdv_load_tiles``) by an arrive on its "empty" mbarrier.
+        ``scalars = (batch, kv_head, first_head, block_start, lo, unmasked_lo, unmasked_hi, n_iters, tiles_per_head,
+        q_origin, k_origin, seq_q, seq_k, slopes_row, sm_scale, qk_scale)``: the part's keys start at ``block_start +
+        PART * KEYS``; the Q tiles ``[lo, hi)`` and the masked stages are the whole block's, one loop for every part.
+        ``inputs = (q_desc, do_desc)``; ``outputs = (dk_desc, dv_desc, dk_ptr, dv_ptr, stride_dkv_row)`` (the
+        pointers address a packed batch's rows that a TMA store may not write); ``stats = (lse2_ptr, delta_ptr)``
+        and ``stats_at`` as ``_load_row_stat`` takes them; ``dq_share = (dq_desc, dq_locks_ptr, num_heads,
+        num_m_tiles, prev_lo, prev_hi)``, read with DQ_ATOMIC (see the kernel); ``exchange = (ds_exchange, dq_stage,
+        ds_ready, ds_free)``: the warp-specialised five-product block's shared dS^T slots, dQ staging tiles and their
+        mbarriers (``_exchange_ds_add_dq``)."""
+        q_desc, do_desc = inputs
+        dk_desc, dv_desc, dk_ptr, dv_ptr, stride_dkv_row = outputs
+        k_smem, v_smem, q_ring, do_ring, stats_smem = smem
+        kv_bar, q_do_bars, q_do_empty = bars
+        (batch, kv_head, first_head, block_start, lo, unmasked_lo, unmasked_hi, n_iters, tiles_per_head, q_origin,
+         k_origin, seq_q, seq_k, slopes_row, sm_scale, qk_scale) = scalars  # fmt: skip
+        lse2_ptr, delta_ptr = stats
+        window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h = modifiers
+        dq_desc, dq_locks_ptr, num_heads, num_m_tiles, prev_lo, prev_hi = dq_share
+        DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
+        # Q tiles [lo, unmasked_lo) cross the causal diagonal (or the window's right edge) and [unmasked_hi, hi) its
+        # left edge: they take the mask (a compile-time flag: without a mask no mask code is emitted at all).
+        MASKED: gl.constexpr = CAUSAL or WINDOW_LEFT or WINDOW_RIGHT
+        # Ordered dQ additions under a causal mask: the Q tiles from the last one down.  Every block of a head then
+        # meets its predecessor on its first tile one step behind it; in ascending order block n's first tile is
+        # block n-1's third (with 128 keys and 64 rows a block), and the waits add up along the blocks.
+        DESCENDING: gl.constexpr = DQ_ORDERED and CAUSAL
+        # Accumulator layouts: S^T and dP^T [KEYS, BLOCK_M], dK and dV [KEYS, BLOCK_D]; each warpgroup owns 64 keys.
+        # P^T and dS^T go from the first layout's registers straight into the second's left operand.
+        st_layout: gl.constexpr = accumulator_layout(NUM_WARPS, BLOCK_M)
+        dkv_layout: gl.constexpr = accumulator_layout(NUM_WARPS, BLOCK_D)
+        operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dkv_layout, k_width=2)
+        key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
+        row_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+        stats_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])  # one value a thread
+        # Statistics through shared memory (not in the five-product build, where it measured 0.95x: see the loop):
+        # lse2 and Delta of the current Q tile (slot t % 2) and of the next one, rows 2 * slot and 2 * slot + 1 of
+        # this part's four.
+        STATS_SMEM: gl.constexpr = not (DQ_ATOMIC and INLINE_LOADS)
+        stats_first = 4 * PART
+        start_n = block_start + PART * KEYS
+
+        if DQ_ATOMIC and INLINE_LOADS:
+            # dS^T leaves the registers for dQ = dS K, whose rows are the Q tile's (the registers hold keys along
+            # the rows): the product reads it transposed from shared memory.  Its accumulator splits the D columns
+            # between the warpgroups when the tile has fewer than 64 rows per warpgroup.
+            ds_smem = gl.allocate_shared_memory(
+                DTYPE, [KEYS, BLOCK_M], gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK_M], DTYPE)
             )  # fmt: skip
-            cta_barrier()  # every issuer's reductions are performed before the lock says so
-            gl.atomic_xchg(lock, n_block + 1, sem="release")
+            # dQ's share is staged in shared memory for its TMA reductions, in the column parts of the host's
+            # descriptor boxes (dq_share_width: two halves at D = 128, fewer registers held at once).
+            DQ_WIDTH: gl.constexpr = dq_desc.block_type.shape[3]
+            DQ_PARTS: gl.constexpr = BLOCK_D // DQ_WIDTH
+            gl.static_assert(dq_desc.block_type.shape[2] == BLOCK_M, "dq_desc's box: BLOCK_M rows")
+            gl.static_assert(DQ_PARTS * DQ_WIDTH == BLOCK_D and DQ_PARTS <= 2, "dq_desc's box: half or all of D")
+            # Two allocations, not one of two parts: a store into the second part would wait at a CTA barrier for
+            # the first one's (Triton orders writes to one buffer).
+            dq_first_smem = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
+            if DQ_PARTS == 2:
+                dq_second_smem = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
+            else:  # not used
+                dq_second_smem = dq_first_smem
+            dq_layout: gl.constexpr = split_accumulator_layout(NUM_WARPS, BLOCK_M, DQ_WIDTH)
+            fence_async_shared()
+
+        if STATS_SMEM:  # tile 0's statistics into slot 0
+            lse2_next = _load_row_stat(lse2_ptr, 0, stats_at, float("inf"), stats_layout, BLOCK_M, DESCENDING)
+            delta_next = _load_row_stat(delta_ptr, 0, stats_at, 0.0, stats_layout, BLOCK_M, DESCENDING)
+            stats_smem.index(stats_first).store(lse2_next)
+            stats_smem.index(stats_first + 1).store(delta_next)
+        mbarrier.wait(kv_bar, 0)
+        cta_barrier()  # (slot 0 of the statistics stored by every warp)
+        k_tile = k_smem.index(PART).reshape([KEYS, BLOCK_D])
+        v_tile = v_smem.index(PART).reshape([KEYS, BLOCK_D])
+
+        keys = start_n + gl.arange(0, KEYS, key_layout)
+        local_rows = gl.arange(0, BLOCK_M, row_layout)
+        diagonal_offset = seq_k - seq_q
+        dk = gl.zeros([KEYS, BLOCK_D], gl.float32, dkv_layout)
+        dv = gl.zeros([KEYS, BLOCK_D], gl.float32, dkv_layout)
+        # The last tile's registers serve as the (ignored) accumulator inputs of S^T and dP^T: no zeroing per tile.
+        s_t = gl.zeros([KEYS, BLOCK_M], gl.float32, st_layout)
+        dp_t = gl.zeros([KEYS, BLOCK_M], gl.float32, st_layout)
+
+        for t in range(n_iters):
+            g, start_m = _tile_of(t, lo, tiles_per_head, BLOCK_M, DESCENDING)
+            rows = start_m + local_rows
+            if STATS_SMEM:
+                # The next tile's lse2 and Delta: global loads now, one value a thread, whose latency the whole
+                # iteration hides; into shared memory at its end.  Each thread reads its 16 columns of this tile's
+                # statistics from there where the arithmetic needs them: loaded per tile in the accumulators' column
+                # layout they were 32 registers a thread live beside dK, dV, S^T and dP^T, and a global load's
+                # latency before each tile's exponentials (ptxas at D = 128 causal: 255 registers and 12 B of
+                # spills -> 242 and none; with the soft cap 136 B -> 4 B).
+                lse2_next = _load_row_stat(lse2_ptr, t + 1, stats_at, float("inf"), stats_layout, BLOCK_M, DESCENDING)
+                delta_next = _load_row_stat(delta_ptr, t + 1, stats_at, 0.0, stats_layout, BLOCK_M, DESCENDING)
+                stats_slot = 2 * (t % 2)
+            else:
+                # lse2 of this Q tile's rows, loaded before the wait so that its latency hides behind it (Delta,
+                # needed later, is loaded after it: fewer registers live at once).
+                lse2 = _load_row_stat(lse2_ptr, t, stats_at, float("inf"), row_layout, BLOCK_M, DESCENDING)
+
+            q_tile = ring_wait(q_do_bars, q_ring, t, BLOCK_M, BLOCK_D, NUM_STAGES)
+            do_tile = do_ring.index(t % NUM_STAGES).reshape([BLOCK_M, BLOCK_D])
+            if VARLEN and INLINE_LOADS:  # noqa: SIM102 - a compile-time branch around a runtime one
+                if start_m + BLOCK_M > seq_q:
+                    # The box's rows past the sequence are the next sequence's: P^T and dS^T are 0 in their
+                    # columns, but a non-finite Q or dO value there would make dK/dV NaN through the products.
+                    # (In the warp-specialised block the producer warp zeroes them.)
+                    zero_rows_from(q_tile, seq_q - start_m, NUM_WARPS)
+                    zero_rows_from(do_tile, seq_q - start_m, NUM_WARPS)
+                    cta_barrier()  # every warp's zeros land before any warpgroup's products read the tiles
+            if DQ_ATOMIC:  # fresh (ignored) accumulator inputs: none carried across the dQ additions (16 B less spill)
+                s_t = gl.zeros([KEYS, BLOCK_M], gl.float32, st_layout)
+                dp_t = gl.zeros([KEYS, BLOCK_M], gl.float32, st_layout)
+            s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_t, use_acc=False, is_async=True)
+            dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), dp_t, use_acc=False, is_async=True)
+            # wgmma groups complete in order: one outstanding means S^T is done and dP^T may still run.
+            s_t = warpgroup_mma_wait(1, deps=(s_t,))
+            if STATS_SMEM:
+                lse2 = stats_smem.index(stats_first + stats_slot).load(row_layout)
+            else:
+                delta = _load_row_stat(delta_ptr, t, stats_at, 0.0, row_layout, BLOCK_M, DESCENDING)
+            s2 = s_t * qk_scale  # base-2 scores
+            if SOFTCAP:  # c tanh(s / c) (in base 2), tanh kept for its derivative 1 - tanh^2 in dS
+                # (common.softcap_scores' math, its derivative taken below where dS needs it)
+                tanh = gl.inline_asm_elementwise(
+                    "tanh.approx.f32 $0, $1;", "=r,r", [s2 * cap_in], dtype=gl.float32, is_pure=True, pack=1
+                )
+                s2 = cap_out * tanh
+            if ALIBI:
+                slope2 = 1.4426950408889634 * gl.load(
+                    alibi_ptr + slopes_row.to(gl.int64) * stride_alibi_b + (first_head + g) * stride_alibi_h
+                )  # fmt: skip
+                if CAUSAL:
+                    # -slope (i' - j) = slope (j - start_n) - slope (i' - start_n): the keys' term is one add per
+                    # score, and the rows' term, constant down a column of S^T, joins lse2 (16 values a thread
+                    # where |i' - j| took a subtraction, a conversion and a multiply-add for each of 32 scores).
+                    # Both terms are small where P is not negligible: keys within KEYS of start_n, rows near
+                    # them.  (Keys right of the diagonal get a wrong score; the mask below hides them.)
+                    s2 = s2 + (slope2 * (keys - start_n).to(gl.float32))[:, None]
+                    lse2 = lse2 + slope2 * (rows + diagonal_offset - start_n).to(gl.float32)
+                else:
+                    s2 = s2 + _alibi_bias_t(keys, rows + diagonal_offset, slope2)
+            p_t = gl.exp2(s2 - lse2[None, :])
+            if MASKED:
+                if WINDOW_LEFT:  # the third stage: tiles that the window's left edge cuts
+                    cut = (start_m < unmasked_lo) | (start_m >= unmasked_hi)
+                else:
+                    cut = start_m < unmasked_lo
+                if cut:
+                    visible = _visible_t(
+                        keys, rows, diagonal_offset, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT
+                    )  # fmt: skip
+                    p_t = gl.where(visible, p_t, 0.0)
+            if DQ_ATOMIC:  # noqa: SIM102 - a compile-time branch around a runtime one
+                if start_n + KEYS > seq_k:
+                    # The keys past Nk (TMA's zero rows: s = 0, dP = 0) were not masked, which only dK/dV rows that
+                    # the store drops saw; their dS^T = -P Delta feeds dQ here, and P = exp2(-lse2) overflows the
+                    # 16-bit dS^T (inf * 0 = NaN) where a row's scores are all very negative.
+                    p_t = gl.where((keys < seq_k)[:, None], p_t, 0.0)
+            p_op = gl.convert_layout(p_t.to(DTYPE), operand_layout)
+            dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+            dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
+            if STATS_SMEM:
+                delta = stats_smem.index(stats_first + stats_slot + 1).load(row_layout)
+            ds_t = p_t * (dp_t - delta[None, :])
+            if SOFTCAP:
+                ds_t = ds_t * (1.0 - tanh * tanh)
+            if DQ_ATOMIC and not INLINE_LOADS:
+                ds_op = gl.convert_layout(ds_t.to(DTYPE), operand_layout)
+                dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+                order = (dq_locks_ptr, num_heads, num_m_tiles, block_start // (2 * KEYS),
+                         (start_m >= prev_lo) & (start_m < prev_hi))  # fmt: skip
+                dv, dk, p_op, ds_op = _exchange_ds_add_dq(
+                    ds_t.to(DTYPE), (dv, dk, p_op, ds_op), k_smem, exchange, dq_desc, t, batch, first_head + g,
+                    start_m, sm_scale, order, PART, BLOCK_M, BLOCK_D, DQ_ORDERED,
+                )  # fmt: skip
+            elif DQ_ATOMIC:
+                # dK and dQ both read dS^T from shared memory (fewer registers live than with dK's operand in
+                # registers: 64 x 128 tiles at D = 128 fit 255 registers only so).
+                ds_smem.store(ds_t.to(DTYPE))
+                dv, p_op = warpgroup_mma_wait(0, deps=(dv, p_op))
+                tma.store_wait(0)  # the previous tile's reductions have read the staging tiles
+                fence_async_shared()
+                cta_barrier()  # dQ's reduction runs over all KEYS keys: every warpgroup's dS^T rows land first
+                dk = warpgroup_mma(ds_smem, q_tile, dk, is_async=True)
+                dq_first = warpgroup_mma(
+                    ds_smem.permute((1, 0)), k_tile.slice(0, DQ_WIDTH, dim=1),
+                    gl.zeros([BLOCK_M, DQ_WIDTH], gl.float32, dq_layout), use_acc=False, is_async=True,
+                )  # fmt: skip
+                if DQ_PARTS == 2:  # both halves issued behind dK: the first one's store runs under the second's product
+                    dq_second = warpgroup_mma(
+                        ds_smem.permute((1, 0)), k_tile.slice(DQ_WIDTH, DQ_WIDTH, dim=1),
+                        gl.zeros([BLOCK_M, DQ_WIDTH], gl.float32, dq_layout), use_acc=False, is_async=True,
+                    )  # fmt: skip
+                    dk, dq_first = warpgroup_mma_wait(1, deps=(dk, dq_first))
+                    dq_first_smem.reshape([BLOCK_M, DQ_WIDTH]).store(dq_first * sm_scale)
+                    dq_second = warpgroup_mma_wait(0, deps=(dq_second,))
+                    dq_second_smem.reshape([BLOCK_M, DQ_WIDTH]).store(dq_second * sm_scale)
+                else:
+                    dk, dq_first = warpgroup_mma_wait(0, deps=(dk, dq_first))
+                    dq_first_smem.reshape([BLOCK_M, DQ_WIDTH]).store(dq_first * sm_scale)
+                fence_async_shared()  # the share's stores, before the TMA reductions read them
+            else:
+                ds_op = gl.convert_layout(ds_t.to(DTYPE), operand_layout)
+                dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+                # P^T and dS^T stay alive (the products read them from registers) until this wait.
+                dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
+            if STATS_SMEM:  # slot (t + 1) % 2 was last read in iteration t - 1, before the previous barrier
+                stats_smem.index(stats_first + 2 - stats_slot).store(lse2_next)
+                stats_smem.index(stats_first + 3 - stats_slot).store(delta_next)
+            # Every warp of these keys is past the products that read slot t (and has stored its statistics).
+            cta_barrier()
+            if DQ_ATOMIC and INLINE_LOADS:  # (and every warp's part of the dQ share is in shared memory)
+                _add_dq_share(
+                    dq_desc, dq_first_smem, dq_second_smem, dq_locks_ptr, start_m, batch, first_head + g, num_heads,
+                    num_m_tiles, start_n // KEYS, (start_m >= prev_lo) & (start_m < prev_hi), DQ_PARTS, DQ_WIDTH,
+                    DQ_ORDERED,
+                )  # fmt: skip
+            if INLINE_LOADS:  # refill slot t with the tile NUM_STAGES ahead
+                _load_q_do_tile(
+                    q_desc, do_desc, q_do_bars, q_ring, do_ring, t + NUM_STAGES, n_iters, tiles_per_head, lo,
+                    batch, first_head, q_origin, BLOCK_M, NUM_STAGES, DESCENDING,
+                )  # fmt: skip
+            else:
+                # A wgmma is one operation of the whole warpgroup: once complete in this thread, it has read its
+                # shared memory for all four warps, so one arrive per warpgroup frees the slot.
+                mbarrier.arrive(q_do_empty.index(t % NUM_STAGES))
+
+        # dK and dV leave through K's and V's shared memory and two TMA stores (rows past Nk are dropped), or, for
+        # keys that the end of a packed sequence cuts, masked stores of their own rows.  Keys that no query row
+        # sees (lo == hi) store zeros.
+        k_part = k_smem.index(PART)
+        v_part = v_smem.index(PART)
+        dk_tile = k_part.reshape([KEYS, BLOCK_D])
+        dv_tile = v_part.reshape([KEYS, BLOCK_D])
+        dk_tile.store((dk * sm_scale).to(DTYPE))
+        dv_tile.store(dv.to(DTYPE))
+        fence_async_shared()
+        cta_barrier()
+        if VARLEN:  # (compile-time, as the forward's O store: no masked stores in dense builds)
+            if start_n + KEYS > seq_k:
+                row = (k_origin + start_n).to(gl.int64) * stride_dkv_row + kv_head * BLOCK_D
+                store_rows_below(dk_tile, dk_ptr + row, stride_dkv_row, seq_k - start_n, NUM_WARPS)
+                store_rows_below(dv_tile, dv_ptr + row, stride_dkv_row, seq_k - start_n, NUM_WARPS)
+            else:
+                tma_store(dk_desc, [batch, kv_head, k_origin + start_n, 0], k_part)
+                tma_store(dv_desc, [batch, kv_head, k_origin + start_n, 0], v_part)
+        else:
+            tma_store(dk_desc, [batch, kv_head, start_n, 0], k_part)
+            tma_store(dv_desc, [batch, kv_head, start_n, 0], v_part)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _dkdv_load_tiles(
+        q_desc, do_desc, k_desc, v_desc, smem, bars, q_tail, batch, kv_head, key_row, first_head, q_origin, lo,
+        tiles_per_head, n_iters, seq_q, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, VARLEN: gl.constexpr,
+        DESCENDING: gl.constexpr,
+    ):  # fmt: skip
+        """The producer warp of the warp-specialised block: K and V of both warpgroups' keys (two boxes of 64 rows
+        each, from TMA row ``key_row``), then Q and dO tile ``i`` of the loop (``_tile_of``) into their slots as soon
+        as both warpgroups have released the slots' previous tiles.  VARLEN: a tile that reaches past the sequence's
+        last row (at most the last tile of each query head) lands on ``q_tail`` instead; this warp zeroes its rows
+        past the sequence and only then completes the slot's barrier (a plain arrive)."""
+        k_smem, v_smem, q_ring, do_ring, _ = smem
+        kv_bar, q_do_bars, q_do_empty = bars
+        KEYS: gl.constexpr = k_desc.block_type.shape[2]
+        BLOCK_D: gl.constexpr = k_desc.block_type.shape[3]
+        mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+        for part in gl.static_range(2):
+            tma_load(k_desc, [batch, kv_head, key_row + part * KEYS, 0], kv_bar, k_smem.index(part))
+            tma_load(v_desc, [batch, kv_head, key_row + part * KEYS, 0], kv_bar, v_smem.index(part))
+        for i in range(n_iters):
+            slot = i % NUM_STAGES
+            # An mbarrier starts as if its phase "-1" had completed, so the waits of the first round pass at once.
+            mbarrier.wait(q_do_empty.index(slot), ((i // NUM_STAGES) & 1) ^ 1)
+            g, start_m = _tile_of(i, lo, tiles_per_head, BLOCK_M, DESCENDING)
+            if VARLEN and start_m + BLOCK_M > seq_q:
+                tail = q_tail.index(0)
+                mbarrier.expect(tail, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                tma_load(q_desc, [batch, first_head + g, q_origin + start_m, 0], tail, q_ring.index(slot))
+                tma_load(do_desc, [batch, first_head + g, q_origin + start_m, 0], tail, do_ring.index(slot))
+                mbarrier.wait(tail, g & 1)  # the g-th use of q_tail: one per query head, its last tile
+                zero_rows_from(q_ring.index(slot).reshape([BLOCK_M, BLOCK_D]), seq_q - start_m, 1)
+                zero_rows_from(do_ring.index(slot).reshape([BLOCK_M, BLOCK_D]), seq_q - start_m, 1)
+                mbarrier.arrive(q_do_bars.index(slot))
+            else:
+                _load_q_do_tile(
+                    q_desc, do_desc, q_do_bars, q_ring, do_ring, i, n_iters, tiles_per_head, lo, batch, first_head,
+                    q_origin, BLOCK_M, NUM_STAGES, DESCENDING,
+                )  # fmt: skip
 
     @gluon.jit(do_not_specialize=[
         "num_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "num_n_blocks", "num_sequences",
@@ -236,11 +624,18 @@ if gluon is not None:
         ALIBI: gl.constexpr,
         DQ_ATOMIC: gl.constexpr,
         DQ_ORDERED: gl.constexpr,
+        WARP_SPECIALIZED: gl.constexpr,
     ):
         """dK, dV of one block of BLOCK_N keys of one (batch, kv head); grid: 1-d, num_n_blocks * B * Hkv programs
         (as ``backward_2kernel.dkdv_kernel``), summed over the ``group_size`` query heads that read the kv head.
 
-        One warpgroup (4 warps of 16 keys) per 64 keys of the block: BLOCK_N = 16 * num_warps.
+        One warpgroup (4 warps of 16 keys) per 64 keys of the block.  Without WARP_SPECIALIZED the launch's warps
+        are the block (BLOCK_N = 16 * num_warps), run one loop in step and refill the Q/dO ring themselves after a
+        barrier of all of them.  WARP_SPECIALIZED (BLOCK_N = 128, launched with 4 warps): the block is two
+        warpgroups of 64 keys each and a producer warp (``gl.warp_specialize``) that loads K, V and every Q/dO tile;
+        both warpgroups read each tile, a slot is refilled once both have released it, and nothing else ties them
+        together, so that one's arithmetic runs under the other's products while the block reads Q and dO once per
+        128 keys (half the L2 traffic of two 64-key blocks).  k/v/dk/dv boxes hold one warpgroup's 64 rows there.
 
         VARLEN (a packed batch): the descriptors are over ``[1, H, total, D]`` views of the packed tensors,
         ``seqlen_q``/``seqlen_k`` are the totals, the grid is ``num_n_blocks = total_k // BLOCK_N + B`` slots per kv
@@ -261,24 +656,25 @@ if gluon is not None:
 
         DQ_ATOMIC (the five-product backward, ``triton_atomic``'s Hopper path): each iteration also computes the Q
         tile's share ``sm_scale * dS_t K`` of dQ from this block's keys and adds it by TMA reductions
-        (``_add_dq_share``) into the tensor of ``dq_desc``, float32 ``[B, H, num_m_tiles * BLOCK_M, D]`` zeroed
-        before the launch, whose boxes are the share's column parts (``dq_share_width``).  DQ_ORDERED adds the
-        shares in a fixed order (deterministic dQ): ``dq_locks_ptr`` holds one int32 per (batch, head, Q tile),
-        zeroed, which the block ``n`` that adds sets to ``n + 1``; a block whose predecessor also visits the tile
-        first waits for that value.  The K/V blocks that visit a Q tile are consecutive (both ends of
+        (``_add_dq_share``; warp-specialised, ``_exchange_ds_add_dq``) into the tensor of ``dq_desc``, float32
+        ``[B, H, num_m_tiles * BLOCK_M, D]`` zeroed before the launch, whose boxes are the share's column parts
+        (``dq_share_width``).  DQ_ORDERED adds the shares in a fixed order (deterministic dQ): ``dq_locks_ptr``
+        holds two int32 per (batch, head, Q tile), one per warpgroup of a warp-specialised block (the first only
+        otherwise), zeroed, which the block ``n`` that adds sets to ``n + 1``; a block whose predecessor also visits
+        the tile first waits for that value.  The K/V blocks that visit a Q tile are consecutive (both ends of
         ``q_loop_bounds`` grow with ``start_n``), and a program's predecessor starts no later than it, so every wait
         ends.
         """
         NUM_WARPS: gl.constexpr = gl.num_warps()
-        gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "one warpgroup per 64 keys: BLOCK_N must be 16 * num_warps")
+        if WARP_SPECIALIZED:
+            gl.static_assert(BLOCK_N == 128 and NUM_WARPS == 4, "warp-specialised: 128 keys, launched with 4 warps")
+            gl.static_assert(not DQ_ATOMIC or BLOCK_D == 128, "warp-specialised dQ shares: 64 columns a warpgroup")
+        else:
+            gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "one warpgroup per 64 keys: BLOCK_N must be 16 * num_warps")
+        NUM_PARTS: gl.constexpr = 2 if WARP_SPECIALIZED else 1
+        KEYS: gl.constexpr = BLOCK_N // NUM_PARTS
+        gl.static_assert(k_desc.block_type.shape[2] == KEYS, "k/v boxes: the keys of one part")
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
-        # Accumulator layouts: S^T and dP^T [BLOCK_N, BLOCK_M], dK and dV [BLOCK_N, BLOCK_D]; each warpgroup owns
-        # 64 keys.  P^T and dS^T go from the first layout's registers straight into the second's left operand.
-        st_layout: gl.constexpr = accumulator_layout(NUM_WARPS, BLOCK_M)
-        dkv_layout: gl.constexpr = accumulator_layout(NUM_WARPS, BLOCK_D)
-        operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dkv_layout, k_width=2)
-        key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
-        row_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
 
         pid = gl.program_id(0)
         if VARLEN:
@@ -310,20 +706,15 @@ if gluon is not None:
         # Q tiles [lo, unmasked_lo) cross the causal diagonal (or the window's right edge) and [unmasked_hi, hi)
         # its left edge: they need the mask; rows outside [lo, hi) see none of the block's keys.  The same range
         # for every head of the group.  Keys past Nk need no mask here (their dK/dV rows are dropped by the store,
-        # and a row of dK or dV depends on its own key only; DQ_ATOMIC masks them below), so the bounds are those
+        # and a row of dK or dV depends on its own key only; DQ_ATOMIC masks them), so the bounds are those
         # of a whole block: its end is passed as the key count.
-        MASKED: gl.constexpr = CAUSAL or WINDOW_LEFT or WINDOW_RIGHT
-        # Ordered dQ additions under a causal mask: the Q tiles from the last one down.  Every block of a head then
-        # meets its predecessor on its first tile one step behind it; in ascending order block n's first tile is
-        # block n-1's third (with 128 keys and 64 rows a block), and the waits add up along the blocks.
-        DESCENDING: gl.constexpr = DQ_ORDERED and CAUSAL
         lo, unmasked_lo, unmasked_hi, hi = q_loop_bounds(
             start_n, seq_q, seq_k, start_n + BLOCK_N, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
             BLOCK_M, BLOCK_N,
         )  # fmt: skip
         tiles_per_head = (hi - lo) // BLOCK_M
         n_iters = tiles_per_head * group_size
-        diagonal_offset = seq_k - seq_q
+        DESCENDING: gl.constexpr = DQ_ORDERED and CAUSAL  # (_dkdv_keys says why)
         if DQ_ORDERED:  # the Q tiles [prev_lo, prev_hi) also take dQ shares from the block before this one
             prev_lo, _, _, prev_hi = q_loop_bounds(
                 start_n - BLOCK_N, seq_q, seq_k, start_n, window_left, window_right, CAUSAL, WINDOW_LEFT,
@@ -335,230 +726,92 @@ if gluon is not None:
             prev_lo = lo
             prev_hi = lo
 
-        k_smem = gl.allocate_shared_memory(DTYPE, k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(DTYPE, v_desc.block_type.shape, v_desc.layout)
+        k_smem = gl.allocate_shared_memory(DTYPE, [NUM_PARTS, 1, 1, KEYS, BLOCK_D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(DTYPE, [NUM_PARTS, 1, 1, KEYS, BLOCK_D], v_desc.layout)
         q_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_M, BLOCK_D], q_desc.layout)
         do_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_M, BLOCK_D], do_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_do_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        # Statistics through shared memory (not in the five-product build, where it measured 0.95x: see the loop):
-        # lse2 and Delta of the current Q tile (slot t % 2) and of the next one, rows 2 * slot and 2 * slot + 1.
-        # (The layout is a row's, as the mbarrier arrays': the rows are its views.)
-        STATS_SMEM: gl.constexpr = not DQ_ATOMIC
-        stats_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])  # one value a thread
-        stats_at = (n_iters, lo, tiles_per_head, batch * num_heads + first_head, seqlen_q, stats_base, seq_q)
-        if STATS_SMEM:
-            stats_smem = gl.allocate_shared_memory(
-                gl.float32, [4, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-            )  # fmt: skip
+        q_do_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        q_tail = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        # Each part's lse2 and Delta, two slots of both (_dkdv_keys).  (The layout is a row's, as the mbarrier
+        # arrays': the rows are its views.)
+        stats_smem = gl.allocate_shared_memory(
+            gl.float32, [4 * NUM_PARTS, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        )  # fmt: skip
         mbarrier.init(kv_bar, count=1)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(q_do_bars.index(i), count=1)
-        if DQ_ATOMIC:
-            # dS^T leaves the registers for dQ = dS K, whose rows are the Q tile's (the registers hold keys along
-            # the rows): the product reads it transposed from shared memory.  Its accumulator splits the D columns
-            # between the warpgroups when the tile has fewer than 64 rows per warpgroup.
-            ds_smem = gl.allocate_shared_memory(
-                DTYPE, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], DTYPE)
+            mbarrier.init(q_do_empty.index(i), count=NUM_PARTS)  # one arrive per warpgroup frees a slot
+        mbarrier.init(q_tail.index(0), count=1)
+        # The warp-specialised five-product block: two dS^T slots that both warpgroups read, a float32 dQ staging
+        # tile per warpgroup, and each slot's "ready" and "free" mbarriers (_exchange_ds_add_dq).
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=NUM_PARTS)
+            mbarrier.init(ds_free.index(i), count=NUM_PARTS)
+        if WARP_SPECIALIZED and DQ_ATOMIC:
+            ds_exchange = gl.allocate_shared_memory(
+                DTYPE, [2, BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], DTYPE)
             )  # fmt: skip
-            # dQ's share is staged in shared memory for its TMA reductions, in the column parts of the host's
-            # descriptor boxes (dq_share_width: two halves at D = 128, fewer registers held at once).
-            DQ_WIDTH: gl.constexpr = dq_desc.block_type.shape[3]
-            DQ_PARTS: gl.constexpr = BLOCK_D // DQ_WIDTH
-            gl.static_assert(dq_desc.block_type.shape[2] == BLOCK_M, "dq_desc's box: BLOCK_M rows")
-            gl.static_assert(DQ_PARTS * DQ_WIDTH == BLOCK_D and DQ_PARTS <= 2, "dq_desc's box: half or all of D")
-            # Two allocations, not one of two parts: a store into the second part would wait at a CTA barrier for
-            # the first one's (Triton orders writes to one buffer).
-            dq_first_smem = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
-            if DQ_PARTS == 2:
-                dq_second_smem = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
-            else:  # not used
-                dq_second_smem = dq_first_smem
-            dq_layout: gl.constexpr = split_accumulator_layout(NUM_WARPS, BLOCK_M, DQ_WIDTH)
+            dq_stage = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, 64], dq_desc.layout)
+        else:  # not read
+            ds_exchange = q_ring
+            dq_stage = q_ring
         fence_async_shared()
 
-        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma_load(k_desc, [batch, kv_head, k_origin + start_n, 0], kv_bar, k_smem)
-        tma_load(v_desc, [batch, kv_head, k_origin + start_n, 0], kv_bar, v_smem)
-        for i in gl.static_range(NUM_STAGES):
-            _load_q_do_tile(
-                q_desc, do_desc, q_do_bars, q_ring, do_ring, i, n_iters, tiles_per_head, lo, batch, first_head,
-                q_origin, BLOCK_M, NUM_STAGES, DESCENDING,
+        inputs = (q_desc, do_desc)
+        outputs = (dk_desc, dv_desc, dk_ptr, dv_ptr, stride_dkv_row)
+        smem = (k_smem, v_smem, q_ring, do_ring, stats_smem)
+        bars = (kv_bar, q_do_bars, q_do_empty)
+        scalars = (batch, kv_head, first_head, start_n, lo, unmasked_lo, unmasked_hi, n_iters, tiles_per_head,
+                   q_origin, k_origin, seq_q, seq_k, slopes_row, sm_scale, qk_scale)  # fmt: skip
+        stats = (lse2_ptr, delta_ptr)
+        stats_at = (n_iters, lo, tiles_per_head, batch * num_heads + first_head, seqlen_q, stats_base, seq_q)
+        modifiers = (window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h)
+        dq_share = (dq_desc, dq_locks_ptr, num_heads, num_m_tiles, prev_lo, prev_hi)
+        exchange = (ds_exchange, dq_stage, ds_ready, ds_free)
+        if WARP_SPECIALIZED:
+            # Constexpr arguments go to the partitions as literals (forward_gluon's note).  The second warpgroup
+            # rises to 240 registers and the producer's (padded to four warps) drops to 24, which leaves the default
+            # partition 248: the loop needs 235-255 at a 255 cap (ptxas, bench/results/ptx_dkdv_ws_triton39.log).
+            gl.warp_specialize(
+                [
+                    (_dkdv_keys, (inputs, outputs, smem, bars, scalars, stats, stats_at, modifiers, dq_share,
+                                  exchange, 0, 4, BLOCK_M, 64, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16, VARLEN,
+                                  WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, DQ_ATOMIC, DQ_ORDERED, False)),
+                    (_dkdv_keys, (inputs, outputs, smem, bars, scalars, stats, stats_at, modifiers, dq_share,
+                                  exchange, 1, 4, BLOCK_M, 64, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16, VARLEN,
+                                  WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, DQ_ATOMIC, DQ_ORDERED, False)),
+                    (_dkdv_load_tiles, (q_desc, do_desc, k_desc, v_desc, smem, bars, q_tail, batch, kv_head,
+                                        k_origin + start_n, first_head, q_origin, lo, tiles_per_head, n_iters, seq_q,
+                                        BLOCK_M, NUM_STAGES, VARLEN, DQ_ORDERED and CAUSAL)),
+                ],
+                [4, 1],
+                [240, 24],
             )  # fmt: skip
-        if STATS_SMEM:  # tile 0's statistics into slot 0
-            lse2_next = _load_row_stat(lse2_ptr, 0, stats_at, float("inf"), stats_layout, BLOCK_M, DESCENDING)
-            delta_next = _load_row_stat(delta_ptr, 0, stats_at, 0.0, stats_layout, BLOCK_M, DESCENDING)
-            stats_smem.index(0).store(lse2_next)
-            stats_smem.index(1).store(delta_next)
-        mbarrier.wait(kv_bar, 0)
-        cta_barrier()  # (slot 0 of the statistics stored by every warp)
-        k_tile = k_smem.reshape([BLOCK_N, BLOCK_D])
-        v_tile = v_smem.reshape([BLOCK_N, BLOCK_D])
-
-        keys = start_n + gl.arange(0, BLOCK_N, key_layout)
-        local_rows = gl.arange(0, BLOCK_M, row_layout)
-        dk = gl.zeros([BLOCK_N, BLOCK_D], gl.float32, dkv_layout)
-        dv = gl.zeros([BLOCK_N, BLOCK_D], gl.float32, dkv_layout)
-        # The last tile's registers serve as the (ignored) accumulator inputs of S^T and dP^T: no zeroing per tile.
-        s_t = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
-        dp_t = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
-
-        for t in range(n_iters):
-            g, start_m = _tile_of(t, lo, tiles_per_head, BLOCK_M, DESCENDING)
-            rows = start_m + local_rows
-            if STATS_SMEM:
-                # The next tile's lse2 and Delta: global loads now, one value a thread, whose latency the whole
-                # iteration hides; into shared memory at its end.  Each thread reads its 16 columns of this tile's
-                # statistics from there where the arithmetic needs them: loaded per tile in the accumulators' column
-                # layout they were 32 registers a thread live beside dK, dV, S^T and dP^T, and a global load's
-                # latency before each tile's exponentials (ptxas at D = 128 causal: 255 registers and 12 B of
-                # spills -> 242 and none; with the soft cap 136 B -> 4 B).
-                lse2_next = _load_row_stat(lse2_ptr, t + 1, stats_at, float("inf"), stats_layout, BLOCK_M, DESCENDING)
-                delta_next = _load_row_stat(delta_ptr, t + 1, stats_at, 0.0, stats_layout, BLOCK_M, DESCENDING)
-                stats_row = 2 * (t % 2)
-            else:
-                # lse2 of this Q tile's rows, loaded before the wait so that its latency hides behind it (Delta,
-                # needed later, is loaded after it: fewer registers live at once).
-                lse2 = _load_row_stat(lse2_ptr, t, stats_at, float("inf"), row_layout, BLOCK_M, DESCENDING)
-
-            q_tile = ring_wait(q_do_bars, q_ring, t, BLOCK_M, BLOCK_D, NUM_STAGES)
-            do_tile = do_ring.index(t % NUM_STAGES).reshape([BLOCK_M, BLOCK_D])
-            if VARLEN:  # noqa: SIM102 - a compile-time branch around a runtime one
-                if start_m + BLOCK_M > seq_q:
-                    # The box's rows past the sequence are the next sequence's: P^T and dS^T are 0 in their
-                    # columns, but a non-finite Q or dO value there would make dK/dV NaN through the products.
-                    zero_rows_from(q_tile, seq_q - start_m, NUM_WARPS)
-                    zero_rows_from(do_tile, seq_q - start_m, NUM_WARPS)
-                    cta_barrier()  # every warp's zeros land before any warpgroup's products read the tiles
-            if DQ_ATOMIC:  # fresh (ignored) accumulator inputs: none carried across the dQ additions (16 B less spill)
-                s_t = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
-                dp_t = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
-            s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_t, use_acc=False, is_async=True)
-            dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), dp_t, use_acc=False, is_async=True)
-            # wgmma groups complete in order: one outstanding means S^T is done and dP^T may still run.
-            s_t = warpgroup_mma_wait(1, deps=(s_t,))
-            if STATS_SMEM:
-                lse2 = stats_smem.index(stats_row).load(row_layout)
-            else:
-                delta = _load_row_stat(delta_ptr, t, stats_at, 0.0, row_layout, BLOCK_M, DESCENDING)
-            s2 = s_t * qk_scale  # base-2 scores
-            if SOFTCAP:  # c tanh(s / c) (in base 2), tanh kept for its derivative 1 - tanh^2 in dS
-                # (common.softcap_scores' math, its derivative taken below where dS needs it)
-                tanh = gl.inline_asm_elementwise(
-                    "tanh.approx.f32 $0, $1;", "=r,r", [s2 * cap_in], dtype=gl.float32, is_pure=True, pack=1
-                )
-                s2 = cap_out * tanh
-            if ALIBI:
-                slope2 = 1.4426950408889634 * gl.load(
-                    alibi_ptr + slopes_row.to(gl.int64) * stride_alibi_b + (first_head + g) * stride_alibi_h
+        else:
+            mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma_load(k_desc, [batch, kv_head, k_origin + start_n, 0], kv_bar, k_smem.index(0))
+            tma_load(v_desc, [batch, kv_head, k_origin + start_n, 0], kv_bar, v_smem.index(0))
+            for i in gl.static_range(NUM_STAGES):
+                _load_q_do_tile(
+                    q_desc, do_desc, q_do_bars, q_ring, do_ring, i, n_iters, tiles_per_head, lo, batch, first_head,
+                    q_origin, BLOCK_M, NUM_STAGES, DESCENDING,
                 )  # fmt: skip
-                if CAUSAL:
-                    # -slope (i' - j) = slope (j - start_n) - slope (i' - start_n): the keys' term is one add per
-                    # score, and the rows' term, constant down a column of S^T, joins lse2 (16 values a thread
-                    # where |i' - j| took a subtraction, a conversion and a multiply-add for each of 32 scores).
-                    # Both terms are small where P is not negligible: keys within BLOCK_N of start_n, rows near
-                    # them.  (Keys right of the diagonal get a wrong score; the mask below hides them.)
-                    s2 = s2 + (slope2 * (keys - start_n).to(gl.float32))[:, None]
-                    lse2 = lse2 + slope2 * (rows + diagonal_offset - start_n).to(gl.float32)
-                else:
-                    s2 = s2 + _alibi_bias_t(keys, rows + diagonal_offset, slope2)
-            p_t = gl.exp2(s2 - lse2[None, :])
-            if MASKED:  # a compile-time test: without a mask no mask code is emitted at all
-                if WINDOW_LEFT:  # the third stage: tiles that the window's left edge cuts
-                    cut = (start_m < unmasked_lo) | (start_m >= unmasked_hi)
-                else:
-                    cut = start_m < unmasked_lo
-                if cut:
-                    visible = _visible_t(
-                        keys, rows, diagonal_offset, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT
-                    )  # fmt: skip
-                    p_t = gl.where(visible, p_t, 0.0)
-            if DQ_ATOMIC:  # noqa: SIM102 - a compile-time branch around a runtime one
-                if start_n + BLOCK_N > seq_k:
-                    # The keys past Nk (TMA's zero rows: s = 0, dP = 0) were not masked, which only dK/dV rows that
-                    # the store drops saw; their dS^T = -P Delta feeds dQ here, and P = exp2(-lse2) overflows the
-                    # 16-bit dS^T (inf * 0 = NaN) where a row's scores are all very negative.
-                    p_t = gl.where((keys < seq_k)[:, None], p_t, 0.0)
-            p_op = gl.convert_layout(p_t.to(DTYPE), operand_layout)
-            dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
-            dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
-            if STATS_SMEM:
-                delta = stats_smem.index(stats_row + 1).load(row_layout)
-            ds_t = p_t * (dp_t - delta[None, :])
-            if SOFTCAP:
-                ds_t = ds_t * (1.0 - tanh * tanh)
-            if DQ_ATOMIC:
-                # dK and dQ both read dS^T from shared memory (fewer registers live than with dK's operand in
-                # registers: 64 x 128 tiles at D = 128 fit 255 registers only so).
-                ds_smem.store(ds_t.to(DTYPE))
-                dv, p_op = warpgroup_mma_wait(0, deps=(dv, p_op))
-                tma.store_wait(0)  # the previous tile's reductions have read the staging tiles
-                fence_async_shared()
-                cta_barrier()  # dQ's reduction runs over all BLOCK_N keys: every warpgroup's dS^T rows land first
-                dk = warpgroup_mma(ds_smem, q_tile, dk, is_async=True)
-                dq_first = warpgroup_mma(
-                    ds_smem.permute((1, 0)), k_tile.slice(0, DQ_WIDTH, dim=1),
-                    gl.zeros([BLOCK_M, DQ_WIDTH], gl.float32, dq_layout), use_acc=False, is_async=True,
-                )  # fmt: skip
-                if DQ_PARTS == 2:  # both halves issued behind dK: the first one's store runs under the second's product
-                    dq_second = warpgroup_mma(
-                        ds_smem.permute((1, 0)), k_tile.slice(DQ_WIDTH, DQ_WIDTH, dim=1),
-                        gl.zeros([BLOCK_M, DQ_WIDTH], gl.float32, dq_layout), use_acc=False, is_async=True,
-                    )  # fmt: skip
-                    dk, dq_first = warpgroup_mma_wait(1, deps=(dk, dq_first))
-                    dq_first_smem.reshape([BLOCK_M, DQ_WIDTH]).store(dq_first * sm_scale)
-                    dq_second = warpgroup_mma_wait(0, deps=(dq_second,))
-                    dq_second_smem.reshape([BLOCK_M, DQ_WIDTH]).store(dq_second * sm_scale)
-                else:
-                    dk, dq_first = warpgroup_mma_wait(0, deps=(dk, dq_first))
-                    dq_first_smem.reshape([BLOCK_M, DQ_WIDTH]).store(dq_first * sm_scale)
-                fence_async_shared()  # the share's stores, before the TMA reductions read them
-            else:
-                ds_op = gl.convert_layout(ds_t.to(DTYPE), operand_layout)
-                dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
-                # P^T and dS^T stay alive (the products read them from registers) until this wait.
-                dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
-            if STATS_SMEM:  # slot (t + 1) % 2 was last read in iteration t - 1, before the previous barrier
-                stats_smem.index(2 - stats_row).store(lse2_next)
-                stats_smem.index(3 - stats_row).store(delta_next)
-            # Every warpgroup is past the products that read slot t: refill it with the tile NUM_STAGES ahead.
-            cta_barrier()
-            if DQ_ATOMIC:  # (and every warp's part of the dQ share is in shared memory)
-                _add_dq_share(
-                    dq_desc, dq_first_smem, dq_second_smem, dq_locks_ptr, start_m, batch, first_head + g, num_heads,
-                    num_m_tiles, start_n // BLOCK_N, (start_m >= prev_lo) & (start_m < prev_hi), DQ_PARTS, DQ_WIDTH,
-                    DQ_ORDERED,
-                )  # fmt: skip
-            _load_q_do_tile(
-                q_desc, do_desc, q_do_bars, q_ring, do_ring, t + NUM_STAGES, n_iters, tiles_per_head, lo,
-                batch, first_head, q_origin, BLOCK_M, NUM_STAGES, DESCENDING,
-            )  # fmt: skip
+            _dkdv_keys(inputs, outputs, smem, bars, scalars, stats, stats_at, modifiers, dq_share, exchange,
+                       0, NUM_WARPS, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16, VARLEN, WINDOW_LEFT,
+                       WINDOW_RIGHT, SOFTCAP, ALIBI, DQ_ATOMIC, DQ_ORDERED, True)  # fmt: skip
 
         mbarrier.invalidate(kv_bar)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(q_do_bars.index(i))
-
-        # dK and dV leave through K's and V's shared memory and two TMA stores (rows past Nk are dropped), or, for a
-        # block that the end of a packed sequence cuts, masked stores of its own rows.  A block that no query row
-        # sees (lo == hi) stores zeros.
-        dk_tile = k_smem.reshape([BLOCK_N, BLOCK_D])
-        dv_tile = v_smem.reshape([BLOCK_N, BLOCK_D])
-        dk_tile.store((dk * sm_scale).to(DTYPE))
-        dv_tile.store(dv.to(DTYPE))
-        fence_async_shared()
-        cta_barrier()
-        if VARLEN:  # (compile-time, as the forward's O store: no masked stores in dense builds)
-            if start_n + BLOCK_N > seq_k:
-                row = (k_origin + start_n).to(gl.int64) * stride_dkv_row + kv_head * BLOCK_D
-                store_rows_below(dk_tile, dk_ptr + row, stride_dkv_row, seq_k - start_n, NUM_WARPS)
-                store_rows_below(dv_tile, dv_ptr + row, stride_dkv_row, seq_k - start_n, NUM_WARPS)
-            else:
-                tma_store(dk_desc, [batch, kv_head, k_origin + start_n, 0], k_smem)
-                tma_store(dv_desc, [batch, kv_head, k_origin + start_n, 0], v_smem)
-        else:
-            tma_store(dk_desc, [batch, kv_head, start_n, 0], k_smem)
-            tma_store(dv_desc, [batch, kv_head, start_n, 0], v_smem)
-        tma.store_wait(0)
+            mbarrier.invalidate(q_do_empty.index(i))
+        mbarrier.invalidate(q_tail.index(0))
+        for i in gl.static_range(2):
+            mbarrier.invalidate(ds_ready.index(i))
+            mbarrier.invalidate(ds_free.index(i))
 
 
 def dq_share_width(head_dim: int) -> int:
@@ -569,6 +822,13 @@ def dq_share_width(head_dim: int) -> int:
     one after the other and 9-10% faster than the whole share (more registers live: more spills); at D = 64 the
     whole share was 5-8% faster than halves."""
     return head_dim // 2 if head_dim > 64 else head_dim
+
+
+def dkdv_warp_specialized(num_warps: int, five_product: bool, head_dim: int) -> bool:
+    """Whether a dK/dV config runs the warp-specialised block (the kernel's WARP_SPECIALIZED): the two-warpgroup
+    tiles (``num_warps = 8``, 128 keys), but not the five-product build at D != 128 (its warpgroups split dQ's 128
+    columns)."""
+    return num_warps == 8 and (not five_product or head_dim == 128)
 
 
 def attention_dkdv_hopper(
@@ -603,7 +863,7 @@ def attention_dkdv_hopper(
 
     ``dq_acc``: the five-product backward (dense calls): also add ``dQ`` into this float32 ``[B, H, Nq', D]``
     tensor (contiguous, zeroed; Nq' is Nq rounded up to ``block_m``, the padding rows take zeros); ``dq_locks``:
-    int32 ``[B, H, Nq' / block_m]`` (zeroed) to add the K/V blocks' shares in a fixed order (bitwise reproducible
+    int32 ``[B, H, Nq' / block_m, 2]`` (zeroed) to add the K/V blocks' shares in a fixed order (bitwise reproducible
     dQ), None for the unordered additions.
     """
     dk_rows, dv_rows = dk, dv  # packed: the [total_k, Hkv, D] tensors that the masked stores address
@@ -624,15 +884,17 @@ def attention_dkdv_hopper(
     padded = (B, H, -(-Nq // block_m) * block_m, D) if varlen is None else None
     if dq_acc is not None and (varlen is not None or not dq_acc.is_contiguous() or tuple(dq_acc.shape) != padded):
         raise ValueError(f"dq_acc must be a contiguous {padded} tensor (Nq rounded up to block_m) of a dense call")
-    if dq_locks is not None and (dq_acc is None or tuple(dq_locks.shape) != (*padded[:2], padded[2] // block_m)):
-        raise ValueError(f"dq_locks must be an int32 [B, H, Nq / block_m] tensor beside dq_acc {padded}")
+    if dq_locks is not None and (dq_acc is None or tuple(dq_locks.shape) != (*padded[:2], padded[2] // block_m, 2)):
+        raise ValueError(f"dq_locks must be an int32 [B, H, Nq / block_m, 2] tensor beside dq_acc {padded}")
     # Packed: slots per kv head (common.kv_block_opening), at most one idle slot per sequence.
     num_n_blocks = -(-Nk // block_n) if varlen is None else Nk // block_n + varlen[2]
     q_desc = tile_descriptor(q, block_m)
     dq_desc = q_desc if dq_acc is None else tile_descriptor(dq_acc, block_m, dq_share_width(D))  # (q's: not read)
+    warp_specialized = dkdv_warp_specialized(num_warps, dq_acc is not None, D)
+    keys = 64 if warp_specialized else block_n  # the k/v/dk/dv boxes: one warpgroup's keys when specialised
     attention_dkdv_hopper_kernel[(num_n_blocks * B * Hkv,)](
-        q_desc, tile_descriptor(k, block_n), tile_descriptor(v, block_n),
-        tile_descriptor(do, block_m), tile_descriptor(dk, block_n), tile_descriptor(dv, block_n), lse2, delta,
+        q_desc, tile_descriptor(k, keys), tile_descriptor(v, keys),
+        tile_descriptor(do, block_m), tile_descriptor(dk, keys), tile_descriptor(dv, keys), lse2, delta,
         H, Hkv, H // Hkv, Nq, Nk, num_n_blocks, scale, scale * LOG2E, *modifiers.args[1:8],
         dk_rows, dv_rows, dk_rows.stride(0), *sequences, dq_desc,
         lse2 if dq_locks is None else dq_locks, -(-Nq // block_m),
@@ -640,5 +902,6 @@ def attention_dkdv_hopper(
         IS_FP16=q.dtype == torch.float16, VARLEN=varlen is not None, WINDOW_LEFT=modifiers.flags["WINDOW_LEFT"],
         WINDOW_RIGHT=modifiers.flags["WINDOW_RIGHT"],
         SOFTCAP=modifiers.flags["SOFTCAP"] != 0, ALIBI=modifiers.flags["ALIBI"], DQ_ATOMIC=dq_acc is not None,
-        DQ_ORDERED=dq_locks is not None, num_warps=num_warps,
+        DQ_ORDERED=dq_locks is not None, WARP_SPECIALIZED=warp_specialized,
+        num_warps=KERNEL_WARPS if warp_specialized else num_warps,
     )  # fmt: skip

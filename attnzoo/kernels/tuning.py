@@ -202,6 +202,7 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         KernelConfig(128, 32, 8, 2),
         # On Hopper (``KernelVariant.ATOMIC_PREPROCESS.gluon_scope``): the Gluon dK/dV kernel, K/V-stationary, that
         # also adds each Q tile's dQ share atomically (five products per tile instead of the two kernels' seven).
+        # The 128-key tile is warp-specialised at D = 128 with unordered additions (``dkdv_warp_specialized``).
         KernelConfig(64, 128, 8, 2, gluon=True),
         KernelConfig(64, 64, 4, 2, gluon=True),
     ],
@@ -219,10 +220,12 @@ def shared_memory_estimate(
         return itemsize * (block_d * (m + n * s) + dv * n * s)
     if kernel == "dkdv" or (kernel == "atomic" and cfg.gluon):
         # K, V resident; Q and dO streamed; P^T and dS^T staged for the dots (the Gluon kernel keeps both in
-        # registers, and its five-product build stages dS^T only) and, for the five-product build, the float32 dQ
-        # share staged for its TMA reductions.
+        # registers, and its five-product build stages dS^T only, in two slots when warp-specialised) and, for the
+        # five-product build, the float32 dQ share staged for its TMA reductions; the Gluon kernel's lse2/Delta
+        # slots (two warpgroups' at most) and mbarriers.
         dq_staging = 4 * m * block_d if kernel == "atomic" else 0
-        return itemsize * ((block_d + dv) * (n + m * s) + 2 * m * n) + dq_staging
+        statistics = 32 * m + 1024 if cfg.gluon else 0
+        return itemsize * ((block_d + dv) * (n + m * s) + 2 * m * n) + dq_staging + statistics
     # dq, atomic: Q and dO resident; K and V streamed; dS (and P^T) staged for the dots.
     return itemsize * ((block_d + dv) * (m + n * s) + 2 * m * n)
 
