@@ -115,7 +115,7 @@ def gluon_source(
     (``forward_gluon.attention_forward_hopper``, ``backward_gluon.attention_dkdv_hopper``,
     ``backward_gluon_dq.attention_dq_hopper``) specialises it, and the ``num_warps`` it launches with: descriptors of
     ``[1, 1, rows, d]`` boxes; the forward's and the dQ kernel's q/o/dO/dQ boxes hold one warpgroup's 64 rows, the
-    dK/dV kernel's q/dO boxes BLOCK_M rows, and every k/v/dK/dV box BLOCK_N.
+    dK/dV kernel's q/dO boxes BLOCK_M rows, and every k/v/dK/dV box BLOCK_N (64 in the warp-specialised dK/dV block).
     ``dv``: the forward's value head dim (v and o boxes; None: ``d``).  ``dtype`` "fp8" (the forward only): e4m3
     q/k/v boxes, v's as ``[1, 1, Dv, BLOCK_N]`` boxes of its keys-contiguous view, o in bfloat16 (DESCALE)."""
     from triton.experimental.gluon import language as gl

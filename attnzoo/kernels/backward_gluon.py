@@ -43,7 +43,7 @@ publishes its keys' dS^T in shared memory and multiplies the whole tile by its 6
 (``_exchange_ds_add_dq``), so that a warpgroup holds a 64 x 64 dQ accumulator beside dK and dV, not 64 x 128; ptxas
 fits it in the 240 and 248 registers that ``setmaxnreg`` gives (4-12 B of spills, where the block of two warpgroups
 in step, at 255 registers, spilled 116-120 B).  On the H100 it runs the backward at 0.89-0.94x cuDNN's at D = 128,
-where that block ran 0.69-0.74x (docs/design.md).
+where that block ran 0.61-0.70x (docs/design.md).
 
 Packed batches (VARLEN, ``attention_varlen``) run on ``[1, H, total, D]`` views, one K/V block of one sequence per
 program.  A Q/dO box of a sequence's last Q tile reaches into the next sequence's rows: those rows are zeroed in
@@ -315,7 +315,8 @@ if gluon is not None:
         key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
         row_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
         stats_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])  # one value a thread
-        # Statistics through shared memory (not in the five-product build, where it measured 0.95x: see the loop):
+        # Statistics through shared memory (not in the five-product 64-key block, where it measured 0.95x: see the
+        # loop):
         # lse2 and Delta of the current Q tile (slot t % 2) and of the next one, rows 2 * slot and 2 * slot + 1 of
         # this part's four.
         STATS_SMEM: gl.constexpr = not (DQ_ATOMIC and INLINE_LOADS)
@@ -513,6 +514,13 @@ if gluon is not None:
         # dK and dV leave through K's and V's shared memory and two TMA stores (rows past Nk are dropped), or, for
         # keys that the end of a packed sequence cuts, masked stores of their own rows.  Keys that no query row
         # sees (lo == hi) store zeros.
+        if DQ_ATOMIC and not INLINE_LOADS:  # noqa: SIM102 - a compile-time branch around a runtime one
+            if n_iters > 0:
+                # The other warpgroup's last dQ product reads this warpgroup's K rows (its columns of them): both
+                # have arrived on the last tile's "free" mbarrier once their products are done.
+                last = n_iters - 1
+                ds_free = exchange[3]
+                mbarrier.wait(ds_free.index(last % 2), (last // 2) & 1)
         k_part = k_smem.index(PART)
         v_part = v_smem.index(PART)
         dk_tile = k_part.reshape([KEYS, BLOCK_D])
@@ -633,7 +641,8 @@ if gluon is not None:
         are the block (BLOCK_N = 16 * num_warps), run one loop in step and refill the Q/dO ring themselves after a
         barrier of all of them.  WARP_SPECIALIZED (BLOCK_N = 128, launched with 4 warps): the block is two
         warpgroups of 64 keys each and a producer warp (``gl.warp_specialize``) that loads K, V and every Q/dO tile;
-        both warpgroups read each tile, a slot is refilled once both have released it, and nothing else ties them
+        both warpgroups read each tile, a slot is refilled once both have released it, and (but for the five-product
+        build's exchange of dS^T at each tile) nothing else ties them
         together, so that one's arithmetic runs under the other's products while the block reads Q and dO once per
         128 keys (half the L2 traffic of two 64-key blocks).  k/v/dk/dv boxes hold one warpgroup's 64 rows there.
 
@@ -669,6 +678,7 @@ if gluon is not None:
         if WARP_SPECIALIZED:
             gl.static_assert(BLOCK_N == 128 and NUM_WARPS == 4, "warp-specialised: 128 keys, launched with 4 warps")
             gl.static_assert(not DQ_ATOMIC or BLOCK_D == 128, "warp-specialised dQ shares: 64 columns a warpgroup")
+            gl.static_assert(not DQ_ATOMIC or dq_desc.block_type.shape[3] == 64, "dq_desc's box: 64 columns")
         else:
             gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "one warpgroup per 64 keys: BLOCK_N must be 16 * num_warps")
         NUM_PARTS: gl.constexpr = 2 if WARP_SPECIALIZED else 1
@@ -775,7 +785,8 @@ if gluon is not None:
         if WARP_SPECIALIZED:
             # Constexpr arguments go to the partitions as literals (forward_gluon's note).  The second warpgroup
             # rises to 240 registers and the producer's (padded to four warps) drops to 24, which leaves the default
-            # partition 248: the loop needs 235-255 at a 255 cap (ptxas, bench/results/ptx_dkdv_ws_triton39.log).
+            # partition 248: the loop used 235-255 at a 255 cap, and 230-238 so (ptxas,
+            # bench/results/ptx_dkdv_ws_triton39.log).
             gl.warp_specialize(
                 [
                     (_dkdv_keys, (inputs, outputs, smem, bars, scalars, stats, stats_at, modifiers, dq_share,

@@ -160,8 +160,10 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         KernelConfig(64, 32, 8, 2),
         # The Gluon Hopper dK/dV kernel (softmax-gradient arithmetic overlapped with the products; BLOCK_N = 16 *
         # num_warps: one warpgroup per 64 resident keys). On the H100, fp16, the whole backward with 64 x 64 w4 s2
-        # (two CTAs per SM) ran 1.02-1.07x the best Triton tile at D = 128 and 0.84-0.96x at D = 64; 64 x 128 w8 s2
-        # 0.95-1.00x at D = 128; 32-row tiles and 3 stages were slower (docs/design.md).
+        # (two CTAs per SM) ran 1.02-1.07x the best Triton tile at D = 128 and 0.84-0.96x at D = 64; 32-row tiles and
+        # 3 stages were slower (docs/design.md).  The 128-key tile is warp-specialised (two warpgroups and a producer
+        # warp, ``backward_gluon.dkdv_warp_specialized``): 0.97-1.03x the 64-key tile at D = 128 (the five-product
+        # backward builds on it).
         KernelConfig(64, 64, 4, 2, gluon=True),
         KernelConfig(64, 128, 8, 2, gluon=True),
         # Q tiles of 128 rows at D <= 64 (``fits_head_dim`` drops it above): half the iterations, each with S^T and
@@ -202,7 +204,7 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         KernelConfig(128, 32, 8, 2),
         # On Hopper (``KernelVariant.ATOMIC_PREPROCESS.gluon_scope``): the Gluon dK/dV kernel, K/V-stationary, that
         # also adds each Q tile's dQ share atomically (five products per tile instead of the two kernels' seven).
-        # The 128-key tile is warp-specialised at D = 128 with unordered additions (``dkdv_warp_specialized``).
+        # The 128-key tile is warp-specialised at D = 128 (``dkdv_warp_specialized``).
         KernelConfig(64, 128, 8, 2, gluon=True),
         KernelConfig(64, 64, 4, 2, gluon=True),
     ],
@@ -504,7 +506,7 @@ HEURISTIC_ORDER: dict[tuple[str, bool], tuple[str, ...]] = {
     # of bench/results/h100_dkdv_tuning_ws.log the 128-row Gluon tile took 1.00-1.08x the winner's time, the 64-row
     # one 1.00-1.22x, the Triton 64x64 w4 s3 1.04-1.24x; with ALiBi or a window the 128-row tile ran the whole
     # backward 1.13-1.22x faster than the Triton tile (h100_dkdv_d64_heuristic_ab.log).  With the soft cap it spills
-    # (ptxas: 268-288 B) and took 1.24-1.43x the Triton tile's time, where the 64-row one ran 1.00-1.03x faster
+    # (ptxas: 268-288 B) and took 1.24-1.43x the Triton tile's time, where the 64-row one ran 1.005-1.025x faster
     # than it: SOFTCAP_HEURISTIC_SKIPS.
     ("dkdv", True): ("128x64 w4 s2 gluon", "64x64 w4 s2 gluon", "64x64 w4 s3", "32x128 w4 s3"),
     ("dkdv", False): ("64x64 w4 s2 gluon", "32x64 w4 s3"),
