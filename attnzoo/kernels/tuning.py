@@ -364,9 +364,7 @@ class Autotuner:
             if identity is not None:
                 self.store.save(identity, key_text(key), cfg)
             return cfg
-        # (the key's parts between the precision and the device index hold the score modifiers: key_text)
-        softcap = any("softcap" in str(part).split() for part in key[8:-1])
-        cfg = heuristic_pick(key[0], key[1], configs, softcap)
+        cfg = heuristic_pick(key[0], key[1], configs, "softcap" in key_modifiers(key).split())
         self.best[key], self.sources[key] = cfg, "heuristic"
         return cfg
 
@@ -481,12 +479,17 @@ def launch_with_best(
     raise RuntimeError(f"no launch configuration of {key[0]} fits this device; tried {', '.join(map(str, configs))}")
 
 
+def key_modifiers(key: tuple) -> str:
+    """What a tuning key holds between the precision and the device index: the score modifiers and Dv
+    (``launch.ScoreModifiers.key``) and the head-dim and FP8 notes, as space-separated words ("" for a plain call)."""
+    return " ".join(str(part) for part in key[8:-1] if part)
+
+
 def key_text(key: tuple) -> str:
     """The readable, device-independent text of a tuning key: the disk cache's and the shipped table's keys."""
     variant, block_d, dtype, causal, has_seqlens, nq, nk, precision = key[:8]
-    # Between the precision and the device index: what the score modifiers and Dv add (launch.ScoreModifiers.key),
-    # written only when there is something, so that the keys of plain calls keep their stored winners.
-    modifiers = " ".join(str(part) for part in key[8:-1] if part)
+    # Written only when there is something, so that the keys of plain calls keep their stored winners.
+    modifiers = key_modifiers(key)
     return (
         f"{variant} BLOCK_D={block_d} {str(dtype).removeprefix('torch.')} causal={causal} seqlens={has_seqlens} "
         f"Nq<={nq} Nk<={nk} dot={precision}" + (f" {modifiers}" if modifiers else "")
