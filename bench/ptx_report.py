@@ -131,7 +131,7 @@ def gluon_source(
         kernel, q_rows, num_warps = attention_dq_hopper_kernel, 64, KERNEL_WARPS
     else:
         kernel, q_rows, num_warps = attention_dkdv_hopper_kernel, cfg.block_m, cfg.num_warps
-    warp_specialized = kernel_name == "dkdv" and dkdv_warp_specialized(cfg.num_warps, "dq_atomic" in modifiers, d)
+    warp_specialized = kernel_name == "dkdv" and dkdv_warp_specialized(cfg.num_warps)
     if warp_specialized:  # launched with the default partition's warpgroup; k/v boxes of one warpgroup's keys
         num_warps = KERNEL_WARPS
 

@@ -307,15 +307,18 @@ def test_five_product_backward_with_every_score_far_below_zero(cfg, ordered):
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
 
+@pytest.mark.parametrize("cfg", [str(c) for c in CANDIDATES["atomic"] if c.gluon])
+@pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_deterministic_atomic_backward_is_bitwise_reproducible(dtype):
-    """``triton_atomic(deterministic=True)`` on Hopper: the dQ shares in a fixed order, so repeated backwards are
-    bitwise equal (causal, grouped-query heads, a Q tail; long enough that many K/V blocks add into each dQ tile)."""
+def test_deterministic_atomic_backward_is_bitwise_reproducible(dtype, D, cfg):
+    """``triton_atomic(deterministic=True)`` on Hopper, each Gluon config pinned: the dQ shares in a fixed order, so
+    repeated backwards are bitwise equal (causal, grouped-query heads, a Q tail; long enough that many K/V blocks
+    add into each dQ tile)."""
     _needs_hopper()
-    q, k, v, do, _ = _make(2, 8, 2, 4000, 4000, 128, dtype, None, seed=3)
-    call = _prepared(q, k, v, 128**-0.5, True)
+    q, k, v, do, _ = _make(2, 8, 2, 4000, 4000, D, dtype, None, seed=3)
+    call = _prepared(q, k, v, D**-0.5, True)
     assert not call.gluon_reasons(KernelVariant.ATOMIC_ORDERED, do)  # the ordered Gluon kernel runs, not a fallback
-    be = attnzoo.get("triton_atomic", deterministic=True)
+    be = attnzoo.get("triton_atomic", deterministic=True, configs={"atomic": cfg})
     o, lse = be.forward(q, k, v, causal=True)
     first = be.backward(do, q, k, v, o, lse, causal=True)
     for _ in range(3):

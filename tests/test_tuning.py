@@ -211,8 +211,9 @@ def test_autotuning_of_some_kernels_leaves_the_others_to_their_stored_winners(tu
 def test_shipped_table_reads_back_from_the_logs(tmp_path):
     """The shipped H100 table is what bench/ship_tuning.py makes of the committed logs it names (the dense grids,
     the packed keys' tuning, the FP8 bench, the short-forward and D = 256 runs, the dQ kernel's tuning, the D = 256
-    forward's retune with the 128-row Gluon tile, the dK/dV kernel's retune, the packed D = 64 forward's retune), and
-    its configs are all current candidates."""
+    forward's retune with the 128-row Gluon tile, the dK/dV kernel's retune, the packed D = 64 forward's retune, the
+    atomic kernel's D = 64 retune with its warp-specialised five-product block), and its configs are all current
+    candidates."""
     shipped = json.loads((ROOT / "attnzoo" / "tuning_data" / "nvidia-h100-80gb-hbm3.json").read_text())
     sources = shipped["source"].split(", ")
     assert sources == [
@@ -231,6 +232,7 @@ def test_shipped_table_reads_back_from_the_logs(tmp_path):
         "h100_varlen_fwd_tuning_d64.log",
         "h100_dkdv_tuning_d64_m128.log",
         "h100_dkdv_tuning_d64_packed.log",
+        "h100_atomic_tuning_d64_ws.log",
     ]
     winners = tuning.write_shipped_table([ROOT / "bench" / "results" / s for s in sources], H100.name, tmp_path / "t")
     assert shipped["gpu"] == H100.name and shipped["winners"] == winners

@@ -13,8 +13,9 @@ other one.  The order of the atomic additions changes from run to run, so dK/dV 
 On Hopper (``delta="preprocess"``) the tuner also has the five-product backward: the Gluon K/V-stationary kernel of
 ``kernels/backward_gluon.py`` computes dK and dV of its keys in registers and adds each Q tile's dQ share into a
 float32 buffer by TMA reductions (atomic additions of a shared-memory tile); there dQ is the sum that varies in
-order.  At D = 128 its 128-key block is warp-specialised, each warpgroup adding 64 of dQ's columns; on the H100
-its backward ran 0.89-0.94x cuDNN's (docs/design.md).  ``deterministic=True`` adds those shares in a fixed order (a
+order.  Its 128-key block is warp-specialised, each warpgroup adding 64 of dQ's columns at D = 128 and its own
+keys' share at D = 64; on the H100 its backward ran 0.89-0.94x cuDNN's at D = 128 and 0.83-0.91x at D = 64
+(docs/design.md).  ``deterministic=True`` adds those shares in a fixed order (a
 lock per dQ tile and column part, FlashAttention-3's scheme):
 the whole backward is then bitwise reproducible, and calls outside that kernel's scope run the two-kernel backward
 (reproducible too).
@@ -54,7 +55,7 @@ class TritonAtomic(TritonBackend):
         summary=(
             "Triton FA2 forward (on Hopper also the Gluon one); one Q-stationary backward kernel, dK/dV added "
             "with tl.atomic_add; on Hopper also a K/V-stationary Gluon backward of five products per tile, dQ added "
-            "by TMA reductions (in a fixed order with deterministic=True), warp-specialised at D = 128"
+            "by TMA reductions (in a fixed order with deterministic=True), warp-specialised"
         ),
         devices=frozenset({"cuda", "cpu"}),
         dtypes=TRITON_DTYPES,

@@ -43,7 +43,8 @@ publishes its keys' dS^T in shared memory and multiplies the whole tile by its 6
 (``_exchange_ds_add_dq``), so that a warpgroup holds a 64 x 64 dQ accumulator beside dK and dV, not 64 x 128; ptxas
 fits it in the 240 and 248 registers that ``setmaxnreg`` gives (4-12 B of spills, where the block of two warpgroups
 in step, at 255 registers, spilled 116-120 B).  On the H100 it runs the backward at 0.89-0.94x cuDNN's at D = 128,
-where that block ran 0.61-0.70x (docs/design.md).
+where that block ran 0.61-0.70x.  At D = 64 each warpgroup adds its own keys' share of all 64 columns (the same
+accumulator size, no exchange): 1.02-1.17x the one-warpgroup block (docs/design.md).
 
 Packed batches (VARLEN, ``attention_varlen``) run on ``[1, H, total, D]`` views, one K/V block of one sequence per
 program.  A Q/dO box of a sequence's last Q tile reaches into the next sequence's rows: those rows are zeroed in
@@ -218,53 +219,77 @@ if gluon is not None:
         ds_t, in_flight, k_smem, exchange, dq_desc, t, batch, head, start_m, sm_scale, order,
         PART: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, DQ_ORDERED: gl.constexpr,
     ):  # fmt: skip
-        """The warp-specialised five-product block's dQ share of Q tile ``t``: ``scale * dS K[:, cols]`` over all 128
-        keys of the block, for this warpgroup's 64 columns ``cols`` (FlashAttention-3's split: a 64 x 64 accumulator,
-        where the share of its own 64 keys over all D columns would be 64 x 128, 64 registers a thread).
+        """The warp-specialised five-product block's dQ share of Q tile ``t``, from this warpgroup's 64 rows of dS^T
+        (``ds_t``, 16-bit), which it stores into its half of slot ``t % 2`` of ``ds_exchange``.
 
-        Each warpgroup stores its 64 rows of dS^T (``ds_t``, 16-bit) into slot ``t % 2`` of ``ds_exchange`` and
-        arrives on the slot's "ready" mbarrier; once both have, each multiplies the whole tile (its transpose is the
-        left operand) with its columns of K, arrives on the slot's "free" mbarrier when the product is done (the slot
-        is rewritten two tiles later, after both arrivals), and adds its share into the float32 accumulator of
-        ``dq_desc`` by one TMA reduction from its staging tile.  ``in_flight``: dV, dK and their register operands,
-        still running; returned once complete.  DQ_ORDERED: ``order = (dq_locks_ptr, num_heads, num_m_tiles,
-        n_block, after_predecessor)``; each warpgroup's columns have a lock of their own (``_dq_lock``), so that the
-        two add in block order independently."""
+        At D = 128 (SPLIT_COLUMNS) the warpgroups split dQ's columns, as FlashAttention-3 does: ``scale * dS
+        K[:, cols]`` over all 128 keys of the block for this warpgroup's 64 columns ``cols`` (a 64 x 64 accumulator,
+        where the share of its own 64 keys over all D columns would be 64 x 128, 64 registers a thread).  It arrives
+        on the slot's "ready" mbarrier; once both have, each multiplies the whole tile (its transpose is the left
+        operand) with its columns of K, and arrives on the slot's "free" mbarrier when the product is done (the slot
+        is rewritten two tiles later, after both arrivals).  At D = 64 each warpgroup multiplies its own keys' dS
+        with its K rows, all 64 columns (the same 64 x 64 accumulator), and the warpgroups never wait for each
+        other; the additions into L2 are those of two 64-key blocks.
+
+        Each adds its share into the float32 accumulator of ``dq_desc`` by one TMA reduction from its staging
+        tile.  ``in_flight``: dV, dK and their register operands, still running; returned once complete.
+        DQ_ORDERED: ``order = (dq_locks_ptr, num_heads, num_m_tiles, n_block, after_predecessor)``; at D = 128 each
+        warpgroup's columns have a lock of their own (``_dq_lock``), so that the two add in block order
+        independently; at D = 64 both add into every column, in turns ``2 n_block + PART`` of one lock."""
         ds_exchange, dq_stage, ds_ready, ds_free = exchange
         KEYS: gl.constexpr = 64
+        SPLIT_COLUMNS: gl.constexpr = BLOCK_D == 128
+        COLS: gl.constexpr = BLOCK_D // 2 if SPLIT_COLUMNS else BLOCK_D
         slot = t % 2
         use = t // 2
         ds_slot = ds_exchange.index(slot)
-        mbarrier.wait(ds_free.index(slot), (use & 1) ^ 1)  # both products of tile t - 2 have read the slot
+        if SPLIT_COLUMNS:
+            mbarrier.wait(ds_free.index(slot), (use & 1) ^ 1)  # both products of tile t - 2 have read the slot
         ds_slot.slice(PART * KEYS, KEYS).store(ds_t)
         fence_async_shared()
-        cta_barrier()  # every warp's rows are in, before the other warpgroup hears of them
-        mbarrier.arrive(ds_ready.index(slot))
-        mbarrier.wait(ds_ready.index(slot), use & 1)
-        dq_layout: gl.constexpr = accumulator_layout(4, KEYS)
-        k_first = k_smem.index(0).reshape([KEYS, BLOCK_D]).slice(PART * KEYS, KEYS, dim=1)
-        k_second = k_smem.index(1).reshape([KEYS, BLOCK_D]).slice(PART * KEYS, KEYS, dim=1)
-        dq = warpgroup_mma(
-            ds_slot.slice(0, KEYS).permute((1, 0)), k_first, gl.zeros([BLOCK_M, KEYS], gl.float32, dq_layout),
-            use_acc=False, is_async=True,
-        )  # fmt: skip
-        dq = warpgroup_mma(ds_slot.slice(KEYS, KEYS).permute((1, 0)), k_second, dq, is_async=True)
+        cta_barrier()  # every warp's rows are in, before any product (or the other warpgroup) reads them
+        dq_layout: gl.constexpr = accumulator_layout(4, COLS)
+        if SPLIT_COLUMNS:
+            mbarrier.arrive(ds_ready.index(slot))
+            mbarrier.wait(ds_ready.index(slot), use & 1)
+            k_first = k_smem.index(0).reshape([KEYS, BLOCK_D]).slice(PART * COLS, COLS, dim=1)
+            k_second = k_smem.index(1).reshape([KEYS, BLOCK_D]).slice(PART * COLS, COLS, dim=1)
+            dq = warpgroup_mma(
+                ds_slot.slice(0, KEYS).permute((1, 0)), k_first, gl.zeros([BLOCK_M, COLS], gl.float32, dq_layout),
+                use_acc=False, is_async=True,
+            )  # fmt: skip
+            dq = warpgroup_mma(ds_slot.slice(KEYS, KEYS).permute((1, 0)), k_second, dq, is_async=True)
+        else:
+            dq = warpgroup_mma(
+                ds_slot.slice(PART * KEYS, KEYS).permute((1, 0)), k_smem.index(PART).reshape([KEYS, BLOCK_D]),
+                gl.zeros([BLOCK_M, COLS], gl.float32, dq_layout), use_acc=False, is_async=True,
+            )  # fmt: skip
         dv, dk, p_op, ds_op = in_flight
         dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op, dq))
-        mbarrier.arrive(ds_free.index(slot))
+        if SPLIT_COLUMNS:
+            mbarrier.arrive(ds_free.index(slot))
         stage = dq_stage.index(PART)
         tma.store_wait(0)  # the previous tile's reduction has read the staging tile (each issuer waits for its own)
         cta_barrier()
-        stage.reshape([BLOCK_M, KEYS]).store(dq * sm_scale)
+        stage.reshape([BLOCK_M, COLS]).store(dq * sm_scale)
         fence_async_shared()
         cta_barrier()
         if DQ_ORDERED:
             dq_locks_ptr, num_heads, num_m_tiles, n_block, after_predecessor = order
-            lock = _dq_lock(dq_locks_ptr, batch, head, num_heads, num_m_tiles, start_m // BLOCK_M, PART)
-            _wait_turn(lock, n_block, after_predecessor)
-        tma_reduce_add(dq_desc, [batch, head, start_m, PART * KEYS], stage)
+            if SPLIT_COLUMNS:
+                lock = _dq_lock(dq_locks_ptr, batch, head, num_heads, num_m_tiles, start_m // BLOCK_M, PART)
+                turn = n_block
+                _wait_turn(lock, turn, after_predecessor)
+            else:
+                lock = _dq_lock(dq_locks_ptr, batch, head, num_heads, num_m_tiles, start_m // BLOCK_M, 0)
+                turn = 2 * n_block + PART
+                if PART == 0:
+                    _wait_turn(lock, turn, after_predecessor)
+                else:  # after the first warpgroup, always
+                    _wait_turn(lock, turn, True)
+        tma_reduce_add(dq_desc, [batch, head, start_m, PART * COLS if SPLIT_COLUMNS else 0], stage)
         if DQ_ORDERED:
-            _pass_turn(lock, n_block)
+            _pass_turn(lock, turn)
         return dv, dk, p_op, ds_op
 
     @gluon.jit
@@ -514,7 +539,8 @@ if gluon is not None:
         # dK and dV leave through K's and V's shared memory and two TMA stores (rows past Nk are dropped), or, for
         # keys that the end of a packed sequence cuts, masked stores of their own rows.  Keys that no query row
         # sees (lo == hi) store zeros.
-        if DQ_ATOMIC and not INLINE_LOADS:  # noqa: SIM102 - a compile-time branch around a runtime one
+        SPLIT_COLUMNS: gl.constexpr = DQ_ATOMIC and not INLINE_LOADS and BLOCK_D == 128  # (_exchange_ds_add_dq)
+        if SPLIT_COLUMNS:  # noqa: SIM102 - a compile-time branch around a runtime one
             if n_iters > 0:
                 # The other warpgroup's last dQ product reads this warpgroup's K rows (its columns of them): both
                 # have arrived on the last tile's "free" mbarrier once their products are done.
@@ -668,16 +694,16 @@ if gluon is not None:
         (``_add_dq_share``; warp-specialised, ``_exchange_ds_add_dq``) into the tensor of ``dq_desc``, float32
         ``[B, H, num_m_tiles * BLOCK_M, D]`` zeroed before the launch, whose boxes are the share's column parts
         (``dq_share_width``).  DQ_ORDERED adds the shares in a fixed order (deterministic dQ): ``dq_locks_ptr``
-        holds two int32 per (batch, head, Q tile), one per warpgroup of a warp-specialised block (the first only
-        otherwise), zeroed, which the block ``n`` that adds sets to ``n + 1``; a block whose predecessor also visits
-        the tile first waits for that value.  The K/V blocks that visit a Q tile are consecutive (both ends of
+        holds two int32 per (batch, head, Q tile), one per warpgroup of a warp-specialised block at D = 128 (the
+        first only otherwise), zeroed, which the block ``n`` that adds sets to ``n + 1`` (at D = 64 the warpgroups of
+        a warp-specialised block take turns ``2n`` and ``2n + 1`` on the first); a block whose predecessor also
+        visits the tile first waits for that value.  The K/V blocks that visit a Q tile are consecutive (both ends of
         ``q_loop_bounds`` grow with ``start_n``), and a program's predecessor starts no later than it, so every wait
         ends.
         """
         NUM_WARPS: gl.constexpr = gl.num_warps()
         if WARP_SPECIALIZED:
             gl.static_assert(BLOCK_N == 128 and NUM_WARPS == 4, "warp-specialised: 128 keys, launched with 4 warps")
-            gl.static_assert(not DQ_ATOMIC or BLOCK_D == 128, "warp-specialised dQ shares: 64 columns a warpgroup")
             gl.static_assert(not DQ_ATOMIC or dq_desc.block_type.shape[3] == 64, "dq_desc's box: 64 columns")
         else:
             gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "one warpgroup per 64 keys: BLOCK_N must be 16 * num_warps")
@@ -835,11 +861,10 @@ def dq_share_width(head_dim: int) -> int:
     return head_dim // 2 if head_dim > 64 else head_dim
 
 
-def dkdv_warp_specialized(num_warps: int, five_product: bool, head_dim: int) -> bool:
+def dkdv_warp_specialized(num_warps: int) -> bool:
     """Whether a dK/dV config runs the warp-specialised block (the kernel's WARP_SPECIALIZED): the two-warpgroup
-    tiles (``num_warps = 8``, 128 keys), but not the five-product build at D != 128 (its warpgroups split dQ's 128
-    columns)."""
-    return num_warps == 8 and (not five_product or head_dim == 128)
+    tiles (``num_warps = 8``, 128 keys), in both builds."""
+    return num_warps == 8
 
 
 def attention_dkdv_hopper(
@@ -901,7 +926,7 @@ def attention_dkdv_hopper(
     num_n_blocks = -(-Nk // block_n) if varlen is None else Nk // block_n + varlen[2]
     q_desc = tile_descriptor(q, block_m)
     dq_desc = q_desc if dq_acc is None else tile_descriptor(dq_acc, block_m, dq_share_width(D))  # (q's: not read)
-    warp_specialized = dkdv_warp_specialized(num_warps, dq_acc is not None, D)
+    warp_specialized = dkdv_warp_specialized(num_warps)
     keys = 64 if warp_specialized else block_n  # the k/v/dk/dv boxes: one warpgroup's keys when specialised
     attention_dkdv_hopper_kernel[(num_n_blocks * B * Hkv,)](
         q_desc, tile_descriptor(k, keys), tile_descriptor(v, keys),

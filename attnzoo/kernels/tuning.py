@@ -204,7 +204,7 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         KernelConfig(128, 32, 8, 2),
         # On Hopper (``KernelVariant.ATOMIC_PREPROCESS.gluon_scope``): the Gluon dK/dV kernel, K/V-stationary, that
         # also adds each Q tile's dQ share atomically (five products per tile instead of the two kernels' seven).
-        # The 128-key tile is warp-specialised at D = 128 (``dkdv_warp_specialized``).
+        # The 128-key tile is warp-specialised (``dkdv_warp_specialized``).
         KernelConfig(64, 128, 8, 2, gluon=True),
         KernelConfig(64, 64, 4, 2, gluon=True),
     ],
@@ -225,7 +225,9 @@ def shared_memory_estimate(
         # registers, and its five-product build stages dS^T only, in two slots when warp-specialised) and, for the
         # five-product build, the float32 dQ share staged for its TMA reductions; the Gluon kernel's lse2/Delta
         # slots (two warpgroups' at most) and mbarriers.
-        dq_staging = 4 * m * block_d if kernel == "atomic" else 0
+        # (The warp-specialised 128-key block stages one share per warpgroup: half of D each at D = 128, all of D
+        # at D = 64.)
+        dq_staging = 0 if kernel != "atomic" else 4 * m * block_d * (2 if cfg.num_warps == 8 and block_d < 128 else 1)
         statistics = 32 * m + 1024 if cfg.gluon else 0
         return itemsize * ((block_d + dv) * (n + m * s) + 2 * m * n) + dq_staging + statistics
     # dq, atomic: Q and dO resident; K and V streamed; dS (and P^T) staged for the dots.
@@ -516,9 +518,11 @@ HEURISTIC_ORDER: dict[tuple[str, bool], tuple[str, ...]] = {
     ("dq", True): ("64x64 w4 s3 tma", "64x64 w4 s3"),
     # The Gluon dQ kernel's 128-row tile won all 24 D = 128 keys of its tuning (bench/results/h100_dq_tuning.log).
     ("dq", False): ("128x64 w8 s3 gluon", "128x64 w8 s3 tma", "128x64 w8 s3"),
-    # The atomic kernel: the Gluon five-product configs won every dense key of the grids (64x64 w4 at D = 64,
-    # 64x128 w8 at D = 128); without Gluon, the Triton kernel's winner of bench/results/h100_atomic_tuning.log.
-    ("atomic", True): ("64x64 w4 s2 gluon", "128x64 w8 s2"),
+    # The atomic kernel: the Gluon five-product configs won every dense key of the grids, the warp-specialised
+    # 128-key block at D = 128 and, since it is warp-specialised there too, at D = 64 (1.01-1.17x the 64-key block,
+    # bench/results/h100_five_product_ws_d64_ab.log); without Gluon, the Triton kernel's winner of
+    # bench/results/h100_atomic_tuning.log.
+    ("atomic", True): ("64x128 w8 s2 gluon", "64x64 w4 s2 gluon", "128x64 w8 s2"),
     ("atomic", False): ("64x128 w8 s2 gluon", "128x64 w8 s2"),
 }
 
