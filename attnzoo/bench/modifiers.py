@@ -9,7 +9,9 @@ Three tables, one CSV (``--out``), a plot of time against window size (``--plot`
   without them and against FlexAttention's ``score_mod`` version.
 - ``head_dims``: D = 192 with Dv = 128 (DeepSeek's MLA) beside D = 128, TFLOP/s.
 
-Shapes follow the grid: ``B = tokens / N`` (at least 1), ``H = width / D``.  attnzoo's calls run the stored or
+attnzoo is timed on each backend of ``--impls`` (default: ``triton_2kernel`` and ``triton_atomic``, whose backward
+on Hopper is the five-product kernel).  Shapes follow the grid: ``B = tokens / N`` (at least 1), ``H = width / D``.
+attnzoo's calls run the stored or
 heuristic configs, or with ``--autotune`` each key's timed winner; the configs that ran are printed at the end.
 Times are ``triton.testing.do_bench`` medians after warm-up; forward and backward are timed separately (the
 backward on saved o and lse, Flex's through ``torch.autograd.grad`` on a retained graph).  A case a backend does
@@ -70,8 +72,8 @@ class Flex:
         return create_block_mask(mask_mod, None, None, n, n, device=device)
 
 
-def _attnzoo_times(q, k, v, do, **kw) -> tuple[float, float]:
-    backend = attnzoo.get("triton_2kernel")
+def _attnzoo_times(name: str, q, k, v, do, **kw) -> tuple[float, float]:
+    backend = attnzoo.get(name)
     o, lse = backend.forward(q, k, v, **kw)
     backend.backward(do, q, k, v, o, lse, **kw)  # compile (and read or pick the configs) outside the timing
     fwd = _time_ms(lambda: backend.forward(q, k, v, **kw))
@@ -146,7 +148,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 case = dict(dtype=dtype_name, B=batch, H=heads, N=n, D=d, Dv=d, window=window or "",
                             pairs=batch * heads * _visible_pairs(n, window))  # fmt: skip
                 kw = dict(causal=True) if window is None else dict(causal=True, window=(window, 0))
-                _measure(rows, "window", "triton_2kernel", case, _attnzoo_times, q, k, v, do, **kw)
+                for impl in args.impls:
+                    _measure(rows, "window", impl, case, _attnzoo_times, impl, q, k, v, do, **kw)
                 mask = Flex.block_mask(n, window, q.device)
                 _measure(rows, "window", "flex_attention", case, _flex_times, flex, q, k, v, do, mask)
             if n in args.modifier_N:
@@ -161,7 +164,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                     ("softcap", dict(softcap=cap), softcap_mod),
                     ("alibi", dict(alibi_slopes=slopes), alibi_mod),
                 ):
-                    _measure(rows, table, "triton_2kernel", base, _attnzoo_times, q, k, v, do, causal=True, **kw)
+                    for impl in args.impls:
+                        _measure(rows, table, impl, base, _attnzoo_times, impl, q, k, v, do, causal=True, **kw)
                     _measure(rows, table, "flex_attention", base, _flex_times, flex, q, k, v, do, full, mod)
             del q, k, v, do
             torch.cuda.empty_cache()
@@ -172,7 +176,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             case = dict(dtype=dtype_name, B=batch, H=heads, N=n, D=d, Dv=dv, window="", pairs=0)
             for causal in (False, True):
                 table = "head_dims" + ("_causal" if causal else "")
-                _measure(rows, table, "triton_2kernel", case, _attnzoo_times, q, k, v, do, causal=causal)
+                for impl in args.impls:
+                    _measure(rows, table, impl, case, _attnzoo_times, impl, q, k, v, do, causal=causal)
             del q, k, v, do
     return rows
 
@@ -196,10 +201,12 @@ def plot(rows: list[dict], path: Path) -> None:
 
     window_rows = [r for r in rows if r["table"] == "window" and r["status"] == "ok"]
     cases = sorted({(r["dtype"], r["N"]) for r in window_rows})
+    impls = sorted({r["impl"] for r in window_rows})
+    styles = dict(zip(impls, ("-o", "--s", "-.^", ":v", "-x", "--d")[: len(impls)], strict=True))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, which in zip(axes, ("fwd", "bwd"), strict=True):
         for dtype, n in cases:
-            for impl, style in (("triton_2kernel", "-o"), ("flex_attention", "--s")):
+            for impl, style in styles.items():
                 points = [r for r in window_rows if (r["dtype"], r["N"], r["impl"]) == (dtype, n, impl) and r["window"]]
                 points.sort(key=lambda r: int(r["window"]))
                 if points:
@@ -221,7 +228,7 @@ def summary(rows: list[dict]) -> list[str]:
     ok = {(r["table"], r["impl"], r["dtype"], r["N"], str(r["window"])): r for r in rows if r["status"] == "ok"}
     lines = ["table dtype N window | flex/ours fwd bwd | per-pair time / full causal's (ours) fwd bwd"]
     for (table, impl, dtype, n, window), row in sorted(ok.items(), key=lambda kv: str(kv[0])):
-        if impl != "triton_2kernel" or table != "window":
+        if impl == "flex_attention" or table != "window":
             continue
         flex = ok.get((table, "flex_attention", dtype, n, window))
         full = ok.get((table, impl, dtype, n, ""))
@@ -234,22 +241,22 @@ def summary(rows: list[dict]) -> list[str]:
                 cells.append(f"{per_pair / (float(full[f'{which}_ms']) / int(full['pairs'])):.2f}")
             else:
                 cells.append("-")
-        lines.append(f"window {dtype} {n} {window or 'full'} | {cells[0]} {cells[1]} | {cells[2]} {cells[3]}")
+        lines.append(f"window {impl} {dtype} {n} {window or 'full'} | {cells[0]} {cells[1]} | {cells[2]} {cells[3]}")
     for table in ("softcap", "alibi"):
         for (t, impl, dtype, n, window), row in sorted(ok.items(), key=lambda kv: str(kv[0])):
-            if t != table or impl != "triton_2kernel":
+            if t != table or impl == "flex_attention":
                 continue
             plain, flex = ok.get(("plain", impl, dtype, n, window)), ok.get((table, "flex_attention", dtype, n, window))
             over = [float(row[f"{w}_ms"]) / float(plain[f"{w}_ms"]) if plain else math.nan for w in ("fwd", "bwd")]
             vs = [float(flex[f"{w}_ms"]) / float(row[f"{w}_ms"]) if flex else math.nan for w in ("fwd", "bwd")]
             lines.append(
-                f"{table} {dtype} {n} | cost over plain fwd {over[0]:.3f} bwd {over[1]:.3f} | "
+                f"{table} {impl} {dtype} {n} | cost over plain fwd {over[0]:.3f} bwd {over[1]:.3f} | "
                 f"flex/ours fwd {vs[0]:.2f} bwd {vs[1]:.2f}"
             )
     for row in rows:
         if row["table"].startswith("head_dims") and row["status"] == "ok":
             lines.append(
-                f"{row['table']} {row['dtype']} D={row['D']} Dv={row['Dv']} N={row['N']}: "
+                f"{row['table']} {row['impl']} {row['dtype']} D={row['D']} Dv={row['Dv']} N={row['N']}: "
                 f"fwd {tflops(row, 'fwd'):.0f} bwd {tflops(row, 'bwd'):.0f} TFLOP/s"
             )
     return lines
@@ -258,6 +265,7 @@ def summary(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m attnzoo.bench.modifiers", description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="bf16,fp16")
+    p.add_argument("--impls", default="triton_2kernel,triton_atomic", help="attnzoo backends to time")
     p.add_argument("--N", default="4096,8192,16384,32768")
     p.add_argument("--windows", default="256,1024,4096")
     p.add_argument("--modifier-N", default="4096,8192", help="N of the softcap/ALiBi tables")
@@ -272,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         print("python -m attnzoo.bench.modifiers: needs a CUDA GPU", file=sys.stderr)
         return 2
     args.N = [int(x) for x in args.N.split(",")]
+    args.impls = args.impls.split(",")
     args.windows = [int(x) for x in args.windows.split(",")]
     args.modifier_N = [int(x) for x in args.modifier_N.split(",")]
     from attnzoo.kernels import tuning

@@ -8,6 +8,8 @@ heads (width 2048), Nq = Nk per sequence, causal or not.  Per (D, causal):
 
 - ``varlen``: ``triton_2kernel`` on the packed tensors (its packed kernels);
 - ``dense``: the same backend on a dense batch at the mean length (``B = tokens // N``): the speed varlen is held to;
+- ``varlen_atomic``, ``dense_atomic``: the same for ``triton_atomic`` with ``--backends triton_2kernel,triton_atomic``,
+  and likewise for any other backend named there;
 - ``flex_document``: FlexAttention on the packed tokens as one sequence ``[1, H, tokens, D]`` with a block mask
   that keeps each token to its own document (and causal within it);
 - ``sdpa_padded``: SDPA on the batch padded to the longest sequence, with a key-padding mask (and causal) as a
@@ -66,8 +68,15 @@ def _randn(shape, dtype, gen):
     return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
 
 
-def _varlen_times(q, k, v, do, cu, max_len, causal) -> tuple[float, float]:
-    backend = attnzoo.get("triton_2kernel")
+def impl_names(backend: str) -> tuple[str, str]:
+    """The CSV's impl names of ``backend``'s packed and dense rows: ``varlen``/``dense`` for ``triton_2kernel``,
+    ``varlen_atomic``/``dense_atomic`` for ``triton_atomic``."""
+    suffix = "" if backend == "triton_2kernel" else "_" + backend.removeprefix("triton_")
+    return f"varlen{suffix}", f"dense{suffix}"
+
+
+def _varlen_times(name, q, k, v, do, cu, max_len, causal) -> tuple[float, float]:
+    backend = attnzoo.get(name)
     problem = validate_varlen(q, k, v, cu, cu, max_len, max_len, causal)
     o, lse = run_varlen_forward(backend, q, k, v, problem)
     run_varlen_backward(backend, do, q, k, v, o, lse, problem)  # compile and pick the configs outside the timing
@@ -76,8 +85,8 @@ def _varlen_times(q, k, v, do, cu, max_len, causal) -> tuple[float, float]:
     return fwd, bwd
 
 
-def _dense_times(q, k, v, do, causal) -> tuple[float, float]:
-    backend = attnzoo.get("triton_2kernel")
+def _dense_times(name, q, k, v, do, causal) -> tuple[float, float]:
+    backend = attnzoo.get(name)
     o, lse = backend.forward(q, k, v, causal=causal)
     backend.backward(do, q, k, v, o, lse, causal=causal)
     fwd = _time_ms(lambda: backend.forward(q, k, v, causal=causal))
@@ -169,9 +178,12 @@ def run(args: argparse.Namespace, on_row=None) -> list[dict]:
                 case = dict(dtype=dtype_name, d=d, causal=causal, tokens=args.tokens, sequences=len(lengths),
                             mean_len=mean_len)  # fmt: skip
                 block_mask = _document_mask(lengths, causal)
-                measured = [
-                    ("varlen", flops, _varlen_times, (q, k, v, do, cu, n_max, causal)),
-                    ("dense", dense_flops, _dense_times, (*dense, causal)),
+                measured = []
+                for backend in args.backends:
+                    packed_name, dense_name = impl_names(backend)
+                    measured.append((packed_name, flops, _varlen_times, (backend, q, k, v, do, cu, n_max, causal)))
+                    measured.append((dense_name, dense_flops, _dense_times, (backend, *dense, causal)))
+                measured += [
                     ("flex_document", flops, lambda *a: _flex_times(flex, *a), (q, k, v, do, block_mask)),
                     ("sdpa_padded", flops, _sdpa_times, (*padded, mask, causal)),
                     ("sdpa_padded_nomask", flops, _sdpa_times, (*padded, None, causal)),
@@ -189,24 +201,27 @@ def run(args: argparse.Namespace, on_row=None) -> list[dict]:
 
 
 def summary(rows: list[dict]) -> str:
-    """varlen's TFLOP/s against each peer, per (dtype, D, causal): ratios above 1 are varlen faster."""
-    lines = ["dtype d causal | varlen fwd/bwd TFLOP/s | vs dense | vs flex_document | vs sdpa_padded | vs nomask"]
+    """Each backend's packed TFLOP/s against each peer (its own dense rows for ``vs dense``), per (dtype, D,
+    causal): ratios above 1 are the packed call faster."""
+    lines = ["impl dtype d causal | fwd/bwd TFLOP/s | vs dense | vs flex_document | vs sdpa_padded | vs nomask"]
     cases = sorted({(r["dtype"], r["d"], r["causal"]) for r in rows}, key=str)
+    packed = sorted({r["impl"] for r in rows if r["impl"].startswith("varlen")})
     for case in cases:
         by_impl = {r["impl"]: r for r in rows if (r["dtype"], r["d"], r["causal"]) == case}
-        ours = by_impl.get("varlen")
-        if ours is None:
-            continue
-        cells = [f"{ours['fwd_tflops']:.0f}/{ours['bwd_tflops']:.0f}"]
-        for peer in ("dense", "flex_document", "sdpa_padded", "sdpa_padded_nomask"):
-            other = by_impl.get(peer)
-            if other is None:
-                cells.append("-")
+        for impl in packed:
+            ours = by_impl.get(impl)
+            if ours is None:
                 continue
-            cells.append(
-                f"{ours['fwd_tflops'] / other['fwd_tflops']:.2f}/{ours['bwd_tflops'] / other['bwd_tflops']:.2f}"
-            )
-        lines.append(f"{case[0]} {case[1]} {case[2]} | " + " | ".join(cells))
+            cells = [f"{ours['fwd_tflops']:.0f}/{ours['bwd_tflops']:.0f}"]
+            for peer in ("dense" + impl.removeprefix("varlen"), "flex_document", "sdpa_padded", "sdpa_padded_nomask"):
+                other = by_impl.get(peer)
+                if other is None:
+                    cells.append("-")
+                    continue
+                cells.append(
+                    f"{ours['fwd_tflops'] / other['fwd_tflops']:.2f}/{ours['bwd_tflops'] / other['bwd_tflops']:.2f}"
+                )
+            lines.append(f"{impl} {case[0]} {case[1]} {case[2]} | " + " | ".join(cells))
     return "\n".join(lines)
 
 
@@ -218,7 +233,8 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     cases = sorted({(r["d"], r["causal"]) for r in rows})
-    impls = ["varlen", "dense", "flex_document", "sdpa_padded", "sdpa_padded_nomask"]
+    ours = [impl for impl in dict.fromkeys(r["impl"] for r in rows) if impl.startswith(("varlen", "dense"))]
+    impls = [*ours, "flex_document", "sdpa_padded", "sdpa_padded_nomask"]
     fig, axes = plt.subplots(1, len(cases), figsize=(4.2 * len(cases), 4), squeeze=False)
     for ax, (d, causal) in zip(axes[0], cases, strict=True):
         by_impl = {r["impl"]: r for r in rows if (r["d"], r["causal"]) == (d, causal)}
@@ -246,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--d", type=lambda t: [int(x) for x in t.split(",")], default=[64, 128], help="head dims")
     cli.add_argument("--width", type=int, default=2048, help="H * D")
     cli.add_argument("--dtype", default="bf16", help="fp16, bf16 or both (comma-separated)")
+    cli.add_argument(
+        "--backends", type=lambda t: t.split(","), default=["triton_2kernel"],
+        help="attnzoo backends to time, packed and dense (comma-separated; default triton_2kernel)",
+    )  # fmt: skip
     cli.add_argument("--out", type=Path, help="CSV to write")
     cli.add_argument("--plot", type=Path, help="PNG to write")
     cli.add_argument(
