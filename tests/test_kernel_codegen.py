@@ -107,8 +107,9 @@ def test_the_gluon_kernels_compile_for_packed_batches(kernel):
 
 def test_the_five_product_backward_adds_dq_by_tma_reductions():
     """The five-product build of the Gluon dK/dV kernel (``triton_atomic``'s Hopper path) adds each Q tile's dQ
-    share by TMA reductions of a shared-memory tile, one instruction per column part (one part at D = 64, two at
-    D = 128) and no per-thread ``red``/``atom`` additions; and its shared memory stays within the estimate by which
+    share by TMA reductions of a shared-memory tile, one instruction per column part (the 64-key block: one part at
+    D = 64, two at D = 128; the warp-specialised block: one in each warpgroup's code) and no per-thread
+    ``red``/``atom`` additions; and its shared memory stays within the estimate by which
     the tuner prunes candidates (an estimate without the float32 staging tile let a candidate through that could not
     launch)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")

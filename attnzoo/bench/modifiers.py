@@ -201,8 +201,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
     window_rows = [r for r in rows if r["table"] == "window" and r["status"] == "ok"]
     cases = sorted({(r["dtype"], r["N"]) for r in window_rows})
-    impls = sorted({r["impl"] for r in window_rows})
-    styles = dict(zip(impls, ("-o", "--s", "-.^", ":v", "-x", "--d")[: len(impls)], strict=True))
+    ours = sorted({r["impl"] for r in window_rows} - {"flex_attention"})
+    styles = {impl: ("-o", "-.^", ":v", "-x", "-d")[i % 5] for i, impl in enumerate(ours)} | {"flex_attention": "--s"}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, which in zip(axes, ("fwd", "bwd"), strict=True):
         for dtype, n in cases:
@@ -226,7 +226,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def summary(rows: list[dict]) -> list[str]:
     """The issue's ratios: per (dtype, N, window) attnzoo over flex and attnzoo's time per pair over full causal's."""
     ok = {(r["table"], r["impl"], r["dtype"], r["N"], str(r["window"])): r for r in rows if r["status"] == "ok"}
-    lines = ["table dtype N window | flex/ours fwd bwd | per-pair time / full causal's (ours) fwd bwd"]
+    lines = ["table impl dtype N window | flex/ours fwd bwd | per-pair time / full causal's (ours) fwd bwd"]
     for (table, impl, dtype, n, window), row in sorted(ok.items(), key=lambda kv: str(kv[0])):
         if impl == "flex_attention" or table != "window":
             continue

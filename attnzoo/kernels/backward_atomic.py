@@ -362,7 +362,8 @@ def attention_backward_atomic(
                 # additions need no row mask.
                 tiles = num_blocks(Nq, cfg.block_m)
                 dq_acc = buffer("dq_acc", (B, H, tiles * cfg.block_m, D), torch.float32, zeroed=True)
-                # One lock per Q tile and column part (a warp-specialised block's warpgroups add apart).
+                # Two locks per Q tile: one per column part a warp-specialised block's warpgroup adds at D = 128 (at
+                # D = 64 its warpgroups take turns on the first, as the 64-key block uses it).
                 dq_locks = buffer("dq_locks", (B, H, tiles, 2), torch.int32, zeroed=True) if ordered else None
                 dk, dv = buffer("dk", k.shape, q.dtype), buffer("dv", v.shape, q.dtype)
                 attention_dkdv_hopper(

@@ -195,24 +195,24 @@ if gluon is not None:
         return dq_locks_ptr + ((batch * num_heads + head).to(gl.int64) * num_m_tiles + m_tile) * 2 + part
 
     @gluon.jit
-    def _wait_turn(lock, n_block, after_predecessor):
-        """Ordered dQ additions: when the block before this one also adds into the tile (``after_predecessor``),
-        wait until ``lock`` shows ``n_block``; then no thread of these warps starts a reduction before it did."""
+    def _wait_turn(lock, turn, after_predecessor):
+        """Ordered dQ additions: when the adder before this one also adds into the tile (``after_predecessor``),
+        wait until ``lock`` shows ``turn`` (a block's index, or at D = 64 ``2 n_block + PART``: see
+        ``_exchange_ds_add_dq``); then no thread of these warps starts a reduction before it did."""
         if after_predecessor:
-            while gl.atomic_cas(lock, n_block, n_block, sem="acquire") != n_block:
+            while gl.atomic_cas(lock, turn, turn, sem="acquire") != turn:
                 pass
         cta_barrier()
 
     @gluon.jit
-    def _pass_turn(lock, n_block):
-        """Ordered dQ additions: wait until this block's reductions are performed (``cp.async.bulk.wait_group 0``,
-        not only read: run by every thread, since more than one issued), fence, and set ``lock`` to
-        ``n_block + 1``."""
+    def _pass_turn(lock, turn):
+        """Ordered dQ additions: wait until these warps' reductions are performed (``cp.async.bulk.wait_group 0``,
+        not only read: run by every thread, since more than one issued), fence, and set ``lock`` to ``turn + 1``."""
         gl.inline_asm_elementwise(
-            "cp.async.bulk.wait_group 0; fence.acq_rel.gpu; mov.b32 $0, 0;", "=r,r", [n_block], gl.int32, False, 1
+            "cp.async.bulk.wait_group 0; fence.acq_rel.gpu; mov.b32 $0, 0;", "=r,r", [turn], gl.int32, False, 1
         )  # fmt: skip
         cta_barrier()  # every issuer's reductions are performed before the lock says so
-        gl.atomic_xchg(lock, n_block + 1, sem="release")
+        gl.atomic_xchg(lock, turn + 1, sem="release")
 
     @gluon.jit
     def _exchange_ds_add_dq(
@@ -229,7 +229,7 @@ if gluon is not None:
         operand) with its columns of K, and arrives on the slot's "free" mbarrier when the product is done (the slot
         is rewritten two tiles later, after both arrivals).  At D = 64 each warpgroup multiplies its own keys' dS
         with its K rows, all 64 columns (the same 64 x 64 accumulator), and the warpgroups never wait for each
-        other; the additions into L2 are those of two 64-key blocks.
+        other but for their turns in deterministic mode; the additions into L2 are those of two 64-key blocks.
 
         Each adds its share into the float32 accumulator of ``dq_desc`` by one TMA reduction from its staging
         tile.  ``in_flight``: dV, dK and their register operands, still running; returned once complete.
@@ -668,7 +668,8 @@ if gluon is not None:
         barrier of all of them.  WARP_SPECIALIZED (BLOCK_N = 128, launched with 4 warps): the block is two
         warpgroups of 64 keys each and a producer warp (``gl.warp_specialize``) that loads K, V and every Q/dO tile;
         both warpgroups read each tile, a slot is refilled once both have released it, and (but for the five-product
-        build's exchange of dS^T at each tile) nothing else ties them
+        build's exchange of dS^T at each tile at D = 128, and its lock turns in deterministic mode) nothing else ties
+        them
         together, so that one's arithmetic runs under the other's products while the block reads Q and dO once per
         128 keys (half the L2 traffic of two 64-key blocks).  k/v/dk/dv boxes hold one warpgroup's 64 rows there.
 

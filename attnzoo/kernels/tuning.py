@@ -519,7 +519,7 @@ HEURISTIC_ORDER: dict[tuple[str, bool], tuple[str, ...]] = {
     # The Gluon dQ kernel's 128-row tile won all 24 D = 128 keys of its tuning (bench/results/h100_dq_tuning.log).
     ("dq", False): ("128x64 w8 s3 gluon", "128x64 w8 s3 tma", "128x64 w8 s3"),
     # The atomic kernel: the Gluon five-product configs won every dense key of the grids, the warp-specialised
-    # 128-key block at D = 128 and, since it is warp-specialised there too, at D = 64 (1.01-1.17x the 64-key block,
+    # 128-key block at D = 128 and, since it is warp-specialised there too, at D = 64 (1.02-1.17x the 64-key block,
     # bench/results/h100_five_product_ws_d64_ab.log); without Gluon, the Triton kernel's winner of
     # bench/results/h100_atomic_tuning.log.
     ("atomic", True): ("64x128 w8 s2 gluon", "64x64 w4 s2 gluon", "128x64 w8 s2"),
