@@ -121,7 +121,12 @@ def gluon_source(
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from attnzoo.kernels.backward_gluon import attention_dkdv_hopper_kernel, dkdv_warp_specialized, dq_share_width
+    from attnzoo.kernels.backward_gluon import (
+        attention_dkdv_hopper_kernel,
+        dkdv_warp_specialized,
+        dq_share_width,
+        dq_writer,
+    )
     from attnzoo.kernels.backward_gluon_dq import attention_dq_hopper_kernel
     from attnzoo.kernels.forward_gluon import KERNEL_WARPS, attention_forward_hopper_kernel
 
@@ -135,12 +140,14 @@ def gluon_source(
     if warp_specialized:  # launched with the default partition's warpgroup; k/v boxes of one warpgroup's keys
         num_warps = KERNEL_WARPS
 
-    from attnzoo.kernels.gluon_hopper import head_dim_parts
+    from attnzoo.kernels.gluon_hopper import dq_stage_slots, head_dim_parts
 
     dv = d if dv is None else dv
     d_first, d_second = head_dim_parts(d) if kernel_name == "forward" else (d, 0)
 
     fp8 = dtype == "fp8"
+    # The five-product block's dQ writer warps, as attention_dkdv_hopper launches them.
+    writer = warp_specialized and "dq_atomic" in modifiers and dq_writer(d, causal, "dq_ordered" in modifiers)
 
     def descriptor(rows: int, width: int, name: str) -> str:
         box = [1, 1, rows, width]
@@ -154,7 +161,8 @@ def gluon_source(
                  WINDOW_LEFT="window" in modifiers, WINDOW_RIGHT=False, SOFTCAP="softcap" in modifiers,
                  ALIBI="alibi" in modifiers, PERSISTENT=cfg.persistent, VARLEN="varlen" in modifiers,
                  DESCALE=fp8, DQ_ATOMIC="dq_atomic" in modifiers, DQ_ORDERED="dq_ordered" in modifiers,
-                 WARP_SPECIALIZED=warp_specialized)  # fmt: skip
+                 WARP_SPECIALIZED=warp_specialized, DQ_WRITER=writer,
+                 DQ_STAGE_SLOTS=dq_stage_slots(d, writer))  # fmt: skip
     signature, constexprs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in flags:

@@ -60,26 +60,28 @@ def _config_flags(cfg) -> str:
 def test_the_gluon_kernels_keep_a_product_in_flight_during_the_softmax(kernel):
     """The Gluon Hopper kernels exist to overlap the softmax (forward) or the softmax gradient (dK/dV, dQ) with matrix
     products: their loops must wait for the wgmma groups with one still in flight ("wait 1"; the dQ kernel's loop
-    with two, its dQ and dP products, while it exponentiates: "wait 2"). Spills stay out of every candidate, full
-    and causal (the dK/dV kernel's causal builds reached them at 255 registers until its lse2 and Delta moved to
-    shared memory).  The persistent forward keeps its loop over Q blocks at the 168-register limit of two warpgroups
-    and a producer warp: this report's plain ptxas run spills a few words of it with the causal mask (12/16 B), and
-    Triton 3.9's own build (ptxas with ``--regAllocOptLevel=2``) none."""
+    with two, its dQ and dP products, while it exponentiates: "wait 2"). Spills stay out of every candidate (the
+    dK/dV kernel's causal builds reached them at 255 registers until its lse2 and Delta moved to shared memory).
+    The causal builds are checked: they hold the full builds' loop and the masked tiles' besides, in one register
+    allocation (compiling the full builds too doubled this test's time, a sixth of the suite's).  The persistent forward
+    keeps its loop over Q blocks at the 168-register limit of two warpgroups and a producer warp: this report's
+    plain ptxas run spills a few words of it with the causal mask (12/16 B), and Triton 3.9's own build (ptxas with
+    ``--regAllocOptLevel=2``) none."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     from attnzoo.kernels.tuning import CANDIDATES, fits_head_dim
 
-    for d, causal in itertools.product((64, 128), ((), ("--causal",))):
+    for d in (64, 128):
         configs = [c for c in CANDIDATES[kernel] if c.gluon and fits_head_dim(kernel, c, d)]
         assert configs
         # One report for every config of a head dim (one process: its imports dominate a config's compile time).
         lines = _ptx_report(
-            "--kernel", kernel, "--d", str(d), "--config", ";".join(map(_config_flags, configs)), *causal
+            "--kernel", kernel, "--d", str(d), "--config", ";".join(map(_config_flags, configs)), "--causal"
         )
         assert len(lines) == len(configs)
         for line in lines:
             spills = re.search(r"spill (\d+)/(\d+) B", line)
             assert spills, line
-            limit = 32 if " persistent:" in line and causal else 0
+            limit = 32 if " persistent:" in line else 0
             assert int(spills.group(1)) <= limit and int(spills.group(2)) <= limit, line
             waits = re.search(r"wgmma waits (.*)$", line).group(1).split()
             assert any(w.endswith("x2" if kernel == "dq" else "x1") for w in waits), line
@@ -108,11 +110,12 @@ def test_the_gluon_kernels_compile_for_packed_batches(kernel):
 def test_the_five_product_backward_adds_dq_by_tma_reductions():
     """The five-product build of the Gluon dK/dV kernel (``triton_atomic``'s Hopper path) adds each Q tile's dQ
     share by TMA reductions of a shared-memory tile, one instruction per column part (the 64-key block: one part at
-    D = 64, two at D = 128; the warp-specialised block: one in each warpgroup's code) and no per-thread
-    ``red``/``atom`` additions; and its shared memory stays within the estimate by which
-    the tuner prunes candidates (an estimate without the float32 staging tile let a candidate through that could not
-    launch)."""
+    D = 64, two at D = 128; the warp-specialised block: one in each warpgroup's code, or two 32-column messages in
+    each of its two dQ writer warps' where it has them) and no per-thread ``red``/``atom`` additions; and its
+    shared memory stays within the estimate by which the tuner prunes candidates (an estimate without the float32
+    staging tile let a candidate through that could not launch)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from attnzoo.kernels.backward_gluon import dq_writer
     from attnzoo.kernels.tuning import CANDIDATES, shared_memory_estimate
 
     configs = [c for c in CANDIDATES["atomic"] if c.gluon]
@@ -122,23 +125,34 @@ def test_the_five_product_backward_adds_dq_by_tma_reductions():
         lines = _ptx_report("--kernel", "dkdv", "--d", "64,128", "--config", flags, "--modifiers", "dq_atomic")
         for d, line in zip((64, 128), lines, strict=True):
             # The 128-key tile is warp-specialised: each warpgroup adds its own part of the share (its 64 columns
-            # at D = 128, its keys' share at D = 64), one reduction each in the code of its partition; its
-            # registers stay within what setmaxnreg gives, a few words spilled.
+            # at D = 128, its keys' share at D = 64), one reduction each in the code of its partition, or two
+            # 32-column messages in its dQ writer warp's where it has one; its registers stay within what
+            # setmaxnreg gives, a few words spilled.
             specialised = cfg.num_warps == 8
-            reductions = 2 if specialised else d // 64
+            writers = specialised and dq_writer(d, causal=False, ordered=False)
+            reductions = (4 if writers else 2) if specialised else d // 64
             assert re.search(r"reductions (.*?), wgmma waits", line).group(1) == f"{reductions}xtma", line
             shared = int(re.search(r"(\d+) B shared memory", line).group(1))
             assert shared <= shared_memory_estimate("atomic", cfg, d, 2), line
             assert ("setmaxnreg" in line) == specialised, line
             spills = int(re.search(r"spill (\d+)/", line).group(1))
             assert not specialised or spills <= 16, line
-    # Ordered additions too: each warpgroup takes its turn on a lock of its own (its columns), the 64-key tile on one.
+    # Ordered additions too: in the warp-specialised block the warpgroups' writer warps take the lock turns (two
+    # staging tiles each at D = 64: its largest shared memory), the 64-key tile's warps their own.
     ordered = _ptx_report(
-        "--kernel", "dkdv", "--d", "128", "--config", "64,128,8,2,gluon;64,64,4,2,gluon",
+        "--kernel", "dkdv", "--d", "64,128", "--config", ";".join(map(_config_flags, configs)),
         "--modifiers", "dq_atomic,dq_ordered",
     )  # fmt: skip
-    assert len(ordered) == 2 and "setmaxnreg" in ordered[0] and "setmaxnreg" not in ordered[1], ordered
-    assert all(re.search(r"reductions 2xtma,", line) for line in ordered), ordered
+    builds = list(itertools.product((64, 128), configs))  # the report's order: head dims, then configs
+    assert len(ordered) == len(builds), ordered
+    for line, (d, cfg) in zip(ordered, builds, strict=True):
+        specialised = cfg.num_warps == 8
+        assert not specialised or dq_writer(d, causal=False, ordered=True)
+        assert ("setmaxnreg" in line) == specialised, line
+        reductions = 4 if specialised else d // 64
+        assert re.search(r"reductions (.*?), wgmma waits", line).group(1) == f"{reductions}xtma", line
+        shared = int(re.search(r"(\d+) B shared memory", line).group(1))
+        assert shared <= shared_memory_estimate("atomic", cfg, d, 2), line
 
 
 def test_the_fp8_forward_multiplies_fp8_on_the_tensor_cores():

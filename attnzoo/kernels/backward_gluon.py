@@ -44,7 +44,9 @@ publishes its keys' dS^T in shared memory and multiplies the whole tile by its 6
 fits it in the 240 and 248 registers that ``setmaxnreg`` gives (4-12 B of spills, where the block of two warpgroups
 in step, at 255 registers, spilled 116-120 B).  On the H100 it runs the backward at 0.89-0.94x cuDNN's at D = 128,
 where that block ran 0.61-0.70x.  At D = 64 each warpgroup adds its own keys' share of all 64 columns (the same
-accumulator size, no exchange): 1.02-1.17x the one-warpgroup block (docs/design.md).
+accumulator size, no exchange): 1.02-1.17x the one-warpgroup block (docs/design.md).  Two dQ writer warps, one per
+warpgroup, can take the reductions off the warpgroups, and with DQ_ORDERED the lock turns (``_dq_writer``,
+``dq_writer``).
 
 Packed batches (VARLEN, ``attention_varlen``) run on ``[1, H, total, D]`` views, one K/V block of one sequence per
 program.  A Q/dO box of a sequence's last Q tile reaches into the next sequence's rows: those rows are zeroed in
@@ -64,6 +66,7 @@ from .forward_gluon import KERNEL_WARPS
 from .gluon_hopper import (
     accumulator_layout,
     cta_barrier,
+    dq_stage_slots,
     fence_async_shared,
     gl,
     gluon,
@@ -198,7 +201,7 @@ if gluon is not None:
     def _wait_turn(lock, turn, after_predecessor):
         """Ordered dQ additions: when the adder before this one also adds into the tile (``after_predecessor``),
         wait until ``lock`` shows ``turn`` (a block's index, or at D = 64 ``2 n_block + PART``: see
-        ``_exchange_ds_add_dq``); then no thread of these warps starts a reduction before it did."""
+        ``_dq_writer``); then no thread of these warps starts a reduction before it did."""
         if after_predecessor:
             while gl.atomic_cas(lock, turn, turn, sem="acquire") != turn:
                 pass
@@ -216,8 +219,8 @@ if gluon is not None:
 
     @gluon.jit
     def _exchange_ds_add_dq(
-        ds_t, in_flight, k_smem, exchange, dq_desc, t, batch, head, start_m, sm_scale, order,
-        PART: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, DQ_ORDERED: gl.constexpr,
+        ds_t, in_flight, k_smem, exchange, dq_desc, t, batch, head, start_m, sm_scale,
+        PART: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, DQ_WRITER: gl.constexpr,
     ):  # fmt: skip
         """The warp-specialised five-product block's dQ share of Q tile ``t``, from this warpgroup's 64 rows of dS^T
         (``ds_t``, 16-bit), which it stores into its half of slot ``t % 2`` of ``ds_exchange``.
@@ -229,17 +232,19 @@ if gluon is not None:
         operand) with its columns of K, and arrives on the slot's "free" mbarrier when the product is done (the slot
         is rewritten two tiles later, after both arrivals).  At D = 64 each warpgroup multiplies its own keys' dS
         with its K rows, all 64 columns (the same 64 x 64 accumulator), and the warpgroups never wait for each
-        other but for their turns in deterministic mode; the additions into L2 are those of two 64-key blocks.
+        other (but through their writers' lock turns in deterministic mode); the additions into L2 are those of two
+        64-key blocks.
 
-        Each adds its share into the float32 accumulator of ``dq_desc`` by one TMA reduction from its staging
-        tile.  ``in_flight``: dV, dK and their register operands, still running; returned once complete.
-        DQ_ORDERED: ``order = (dq_locks_ptr, num_heads, num_m_tiles, n_block, after_predecessor)``; at D = 128 each
-        warpgroup's columns have a lock of their own (``_dq_lock``), so that the two add in block order
-        independently; at D = 64 both add into every column, in turns ``2 n_block + PART`` of one lock."""
-        ds_exchange, dq_stage, ds_ready, ds_free = exchange
+        Each stores its share, scaled, into its float32 staging tile.  DQ_WRITER: it arrives on the tile's "full"
+        mbarrier, and its dQ writer warp (``_dq_writer``) adds the share into the accumulator of ``dq_desc`` and
+        arrives on "empty" once the tile may be rewritten.  Else it adds the share itself by one TMA reduction, after
+        waiting until its previous one has read the tile.  ``in_flight``: dV, dK and their register operands, still
+        running; returned once complete."""
+        ds_exchange, dq_stage, ds_ready, ds_free, dq_full, dq_empty = exchange
         KEYS: gl.constexpr = 64
         SPLIT_COLUMNS: gl.constexpr = BLOCK_D == 128
         COLS: gl.constexpr = BLOCK_D // 2 if SPLIT_COLUMNS else BLOCK_D
+        STAGE_SLOTS: gl.constexpr = dq_stage.shape[0] // 2
         slot = t % 2
         use = t // 2
         ds_slot = ds_exchange.index(slot)
@@ -268,29 +273,74 @@ if gluon is not None:
         dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op, dq))
         if SPLIT_COLUMNS:
             mbarrier.arrive(ds_free.index(slot))
-        stage = dq_stage.index(PART)
-        tma.store_wait(0)  # the previous tile's reduction has read the staging tile (each issuer waits for its own)
-        cta_barrier()
-        stage.reshape([BLOCK_M, COLS]).store(dq * sm_scale)
+        # Hand the share to the dQ writer warp (_dq_writer): it issues the reduction, waits until the reduction has
+        # read the staging tile (and, DQ_ORDERED, for the lock's turn), and frees the tile, while this warpgroup
+        # goes on to the next Q tile.
+        stage = PART * STAGE_SLOTS + t % STAGE_SLOTS
+        if DQ_WRITER:
+            # The writer is done with the share STAGE_SLOTS tiles back (an mbarrier starts as if its phase "-1" had
+            # completed: the first waits pass at once).
+            mbarrier.wait(dq_empty.index(stage), ((t // STAGE_SLOTS) & 1) ^ 1)
+        else:
+            tma.store_wait(0)  # the previous tile's reduction has read the staging tile (each issuer waits for its own)
+            cta_barrier()
+        dq_stage.index(stage).reshape([BLOCK_M, COLS]).store(dq * sm_scale)
         fence_async_shared()
-        cta_barrier()
-        if DQ_ORDERED:
-            dq_locks_ptr, num_heads, num_m_tiles, n_block, after_predecessor = order
-            if SPLIT_COLUMNS:
-                lock = _dq_lock(dq_locks_ptr, batch, head, num_heads, num_m_tiles, start_m // BLOCK_M, PART)
-                turn = n_block
-                _wait_turn(lock, turn, after_predecessor)
-            else:
-                lock = _dq_lock(dq_locks_ptr, batch, head, num_heads, num_m_tiles, start_m // BLOCK_M, 0)
-                turn = 2 * n_block + PART
-                if PART == 0:
-                    _wait_turn(lock, turn, after_predecessor)
-                else:  # after the first warpgroup, always
-                    _wait_turn(lock, turn, True)
-        tma_reduce_add(dq_desc, [batch, head, start_m, PART * COLS if SPLIT_COLUMNS else 0], stage)
-        if DQ_ORDERED:
-            _pass_turn(lock, turn)
+        cta_barrier()  # every warp's rows are in, before the one arrive (or the reduction)
+        if DQ_WRITER:
+            mbarrier.arrive(dq_full.index(stage))
+        else:
+            tma_reduce_add(dq_desc, [batch, head, start_m, PART * COLS if SPLIT_COLUMNS else 0], dq_stage.index(stage))
         return dv, dk, p_op, ds_op
+
+    @gluon.jit
+    def _dq_writer(
+        dq_desc, exchange, n_iters, lo, tiles_per_head, batch, first_head, order,
+        PART: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, DQ_WRITER: gl.constexpr,
+        DQ_ORDERED: gl.constexpr, DESCENDING: gl.constexpr,
+    ):  # fmt: skip
+        """A dQ writer warp of the warp-specialised five-product block, one per warpgroup: for each Q tile, the
+        warpgroup PART's share by one TMA reduction from its staging tile, which it frees once the reduction has
+        read it.
+
+        The warpgroup only stores its share and arrives (``_exchange_ds_add_dq``); waiting for the reduction's
+        reads, and DQ_ORDERED for the lock's turn, are this warp's, so that they hold up no product.  DQ_ORDERED:
+        ``order = (dq_locks_ptr, num_heads, num_m_tiles, n_block, prev_lo, prev_hi)``; at D = 128 each warpgroup's
+        columns have a lock of their own (turn ``n_block``), at D = 64 both add into every column in turns
+        ``2 n_block + PART`` of one lock (``_dq_lock``).  Without DQ_WRITER (the two-kernel backward's dK/dV block,
+        and the unordered additions of a causal call or at D = 64: ``dq_writer``) it returns at once."""
+        _, dq_stage, _, _, dq_full, dq_empty = exchange
+        SPLIT_COLUMNS: gl.constexpr = BLOCK_D == 128
+        COLS: gl.constexpr = BLOCK_D // 2 if SPLIT_COLUMNS else BLOCK_D
+        STAGE_SLOTS: gl.constexpr = dq_stage.shape[0] // 2
+        if DQ_WRITER:
+            for t in range(n_iters):
+                g, start_m = _tile_of(t, lo, tiles_per_head, BLOCK_M, DESCENDING)
+                stage = PART * STAGE_SLOTS + t % STAGE_SLOTS
+                mbarrier.wait(dq_full.index(stage), (t // STAGE_SLOTS) & 1)
+                if DQ_ORDERED:
+                    dq_locks_ptr, num_heads, num_m_tiles, n_block, prev_lo, prev_hi = order
+                    after_predecessor = (start_m >= prev_lo) & (start_m < prev_hi)
+                    m_tile = start_m // BLOCK_M
+                    if SPLIT_COLUMNS:
+                        lock = _dq_lock(dq_locks_ptr, batch, first_head + g, num_heads, num_m_tiles, m_tile, PART)
+                        _wait_turn(lock, n_block, after_predecessor)
+                        turn = n_block
+                    else:
+                        lock = _dq_lock(dq_locks_ptr, batch, first_head + g, num_heads, num_m_tiles, m_tile, 0)
+                        turn = 2 * n_block + PART
+                        if PART == 0:
+                            _wait_turn(lock, turn, after_predecessor)
+                        else:  # after the first warpgroup's writer, always
+                            _wait_turn(lock, turn, True)
+                tma_reduce_add(dq_desc, [batch, first_head + g, start_m, PART * COLS if SPLIT_COLUMNS else 0],
+                               dq_stage.index(stage))  # fmt: skip
+                if DQ_ORDERED:
+                    _pass_turn(lock, turn)
+                else:
+                    tma.store_wait(0)  # the reduction has read the staging tile
+                mbarrier.arrive(dq_empty.index(stage))
+            tma.store_wait(0)
 
     @gluon.jit
     def _dkdv_keys(
@@ -299,6 +349,7 @@ if gluon is not None:
         BLOCK_D: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
         VARLEN: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
         ALIBI: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_ORDERED: gl.constexpr, INLINE_LOADS: gl.constexpr,
+        DQ_WRITER: gl.constexpr,
     ):  # fmt: skip
         """dK and dV of the KEYS keys of part PART of the K/V block, computed by NUM_WARPS warps (16 keys a warp; the
         loop of the module docstring), and their store.
@@ -313,8 +364,8 @@ if gluon is not None:
         pointers address a packed batch's rows that a TMA store may not write); ``stats = (lse2_ptr, delta_ptr)``
         and ``stats_at`` as ``_load_row_stat`` takes them; ``dq_share = (dq_desc, dq_locks_ptr, num_heads,
         num_m_tiles, prev_lo, prev_hi)``, read with DQ_ATOMIC (see the kernel); ``exchange = (ds_exchange, dq_stage,
-        ds_ready, ds_free)``: the warp-specialised five-product block's shared dS^T slots, dQ staging tiles and their
-        mbarriers (``_exchange_ds_add_dq``)."""
+        ds_ready, ds_free, dq_full, dq_empty)``: the warp-specialised five-product block's shared dS^T slots, dQ
+        staging tiles and their mbarriers (``_exchange_ds_add_dq``, ``_dq_writer``)."""
         q_desc, do_desc = inputs
         dk_desc, dv_desc, dk_ptr, dv_ptr, stride_dkv_row = outputs
         k_smem, v_smem, q_ring, do_ring, stats_smem = smem
@@ -478,11 +529,9 @@ if gluon is not None:
             if DQ_ATOMIC and not INLINE_LOADS:
                 ds_op = gl.convert_layout(ds_t.to(DTYPE), operand_layout)
                 dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
-                order = (dq_locks_ptr, num_heads, num_m_tiles, block_start // (2 * KEYS),
-                         (start_m >= prev_lo) & (start_m < prev_hi))  # fmt: skip
                 dv, dk, p_op, ds_op = _exchange_ds_add_dq(
                     ds_t.to(DTYPE), (dv, dk, p_op, ds_op), k_smem, exchange, dq_desc, t, batch, first_head + g,
-                    start_m, sm_scale, order, PART, BLOCK_M, BLOCK_D, DQ_ORDERED,
+                    start_m, sm_scale, PART, BLOCK_M, BLOCK_D, DQ_WRITER,
                 )  # fmt: skip
             elif DQ_ATOMIC:
                 # dK and dQ both read dS^T from shared memory (fewer registers live than with dK's operand in
@@ -659,6 +708,8 @@ if gluon is not None:
         DQ_ATOMIC: gl.constexpr,
         DQ_ORDERED: gl.constexpr,
         WARP_SPECIALIZED: gl.constexpr,
+        DQ_WRITER: gl.constexpr,
+        DQ_STAGE_SLOTS: gl.constexpr,
     ):
         """dK, dV of one block of BLOCK_N keys of one (batch, kv head); grid: 1-d, num_n_blocks * B * Hkv programs
         (as ``backward_2kernel.dkdv_kernel``), summed over the ``group_size`` query heads that read the kv head.
@@ -666,12 +717,12 @@ if gluon is not None:
         One warpgroup (4 warps of 16 keys) per 64 keys of the block.  Without WARP_SPECIALIZED the launch's warps
         are the block (BLOCK_N = 16 * num_warps), run one loop in step and refill the Q/dO ring themselves after a
         barrier of all of them.  WARP_SPECIALIZED (BLOCK_N = 128, launched with 4 warps): the block is two
-        warpgroups of 64 keys each and a producer warp (``gl.warp_specialize``) that loads K, V and every Q/dO tile;
-        both warpgroups read each tile, a slot is refilled once both have released it, and (but for the five-product
-        build's exchange of dS^T at each tile at D = 128, and its lock turns in deterministic mode) nothing else ties
-        them
-        together, so that one's arithmetic runs under the other's products while the block reads Q and dO once per
-        128 keys (half the L2 traffic of two 64-key blocks).  k/v/dk/dv boxes hold one warpgroup's 64 rows there.
+        warpgroups of 64 keys each, a producer warp (``gl.warp_specialize``) that loads K, V and every Q/dO tile,
+        and (DQ_WRITER) two dQ writer warps; both warpgroups read each tile, a slot is refilled once both have
+        released it, and (but for the five-product build's exchange of dS^T at each tile at D = 128, and its lock
+        turns in deterministic mode) nothing else ties them together, so that one's arithmetic runs under the
+        other's products while the block reads Q and dO once per 128 keys (half the L2 traffic of two 64-key
+        blocks).  k/v/dk/dv boxes hold one warpgroup's 64 rows there.
 
         VARLEN (a packed batch): the descriptors are over ``[1, H, total, D]`` views of the packed tensors,
         ``seqlen_q``/``seqlen_k`` are the totals, the grid is ``num_n_blocks = total_k // BLOCK_N + B`` slots per kv
@@ -698,15 +749,20 @@ if gluon is not None:
         holds two int32 per (batch, head, Q tile), one per warpgroup of a warp-specialised block at D = 128 (the
         first only otherwise), zeroed, which the block ``n`` that adds sets to ``n + 1`` (at D = 64 the warpgroups of
         a warp-specialised block take turns ``2n`` and ``2n + 1`` on the first); a block whose predecessor also
-        visits the tile first waits for that value.  The K/V blocks that visit a Q tile are consecutive (both ends of
-        ``q_loop_bounds`` grow with ``start_n``), and a program's predecessor starts no later than it, so every wait
-        ends.
+        visits the tile first waits for that value (in the warp-specialised block its dQ writer warps wait).  The
+        K/V blocks that visit a Q tile are consecutive (both ends of ``q_loop_bounds`` grow with ``start_n``), and a
+        program's predecessor starts no later than it, so every wait ends.  DQ_WRITER (``dq_writer``): the
+        warp-specialised block's warpgroups hand their shares to the dQ writer warps (``_dq_writer``) through
+        DQ_STAGE_SLOTS staging tiles each (``gluon_hopper.dq_stage_slots``).
         """
         NUM_WARPS: gl.constexpr = gl.num_warps()
         if WARP_SPECIALIZED:
             gl.static_assert(BLOCK_N == 128 and NUM_WARPS == 4, "warp-specialised: 128 keys, launched with 4 warps")
             gl.static_assert(not DQ_ATOMIC or dq_desc.block_type.shape[3] == 64, "dq_desc's box: 64 columns")
-        else:
+            # The warpgroups take no lock turns: ordered additions need the writers.
+            gl.static_assert(not (DQ_ATOMIC and DQ_ORDERED) or DQ_WRITER, "ordered additions: DQ_WRITER")
+        gl.static_assert(not DQ_WRITER or (WARP_SPECIALIZED and DQ_ATOMIC), "DQ_WRITER: the five-product WS block")
+        if not WARP_SPECIALIZED:
             gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "one warpgroup per 64 keys: BLOCK_N must be 16 * num_warps")
         NUM_PARTS: gl.constexpr = 2 if WARP_SPECIALIZED else 1
         KEYS: gl.constexpr = BLOCK_N // NUM_PARTS
@@ -781,18 +837,25 @@ if gluon is not None:
             mbarrier.init(q_do_bars.index(i), count=1)
             mbarrier.init(q_do_empty.index(i), count=NUM_PARTS)  # one arrive per warpgroup frees a slot
         mbarrier.init(q_tail.index(0), count=1)
-        # The warp-specialised five-product block: two dS^T slots that both warpgroups read, a float32 dQ staging
-        # tile per warpgroup, and each slot's "ready" and "free" mbarriers (_exchange_ds_add_dq).
+        # The warp-specialised five-product block: two dS^T slots that both warpgroups read, with each slot's "ready"
+        # and "free" mbarriers, and DQ_STAGE_SLOTS float32 dQ staging tiles per warpgroup, each with its "full" and
+        # "empty" mbarriers between the warpgroup and its dQ writer warp (_exchange_ds_add_dq, _dq_writer).
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        STAGES_DQ: gl.constexpr = 2 * DQ_STAGE_SLOTS
+        dq_full = gl.allocate_shared_memory(gl.int64, [STAGES_DQ, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [STAGES_DQ, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=NUM_PARTS)
             mbarrier.init(ds_free.index(i), count=NUM_PARTS)
+        for i in gl.static_range(STAGES_DQ):
+            mbarrier.init(dq_full.index(i), count=1)
+            mbarrier.init(dq_empty.index(i), count=1)
         if WARP_SPECIALIZED and DQ_ATOMIC:
             ds_exchange = gl.allocate_shared_memory(
                 DTYPE, [2, BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], DTYPE)
             )  # fmt: skip
-            dq_stage = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, 64], dq_desc.layout)
+            dq_stage = gl.allocate_shared_memory(gl.float32, [STAGES_DQ, 1, 1, BLOCK_M, 64], dq_desc.layout)
         else:  # not read
             ds_exchange = q_ring
             dq_stage = q_ring
@@ -808,26 +871,33 @@ if gluon is not None:
         stats_at = (n_iters, lo, tiles_per_head, batch * num_heads + first_head, seqlen_q, stats_base, seq_q)
         modifiers = (window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h)
         dq_share = (dq_desc, dq_locks_ptr, num_heads, num_m_tiles, prev_lo, prev_hi)
-        exchange = (ds_exchange, dq_stage, ds_ready, ds_free)
+        exchange = (ds_exchange, dq_stage, ds_ready, ds_free, dq_full, dq_empty)
+        dq_order = (dq_locks_ptr, num_heads, num_m_tiles, start_n // BLOCK_N, prev_lo, prev_hi)
         if WARP_SPECIALIZED:
             # Constexpr arguments go to the partitions as literals (forward_gluon's note).  The second warpgroup
-            # rises to 240 registers and the producer's (padded to four warps) drops to 24, which leaves the default
-            # partition 248: the loop used 235-255 at a 255 cap, and 230-238 so (ptxas,
-            # bench/results/ptx_dkdv_ws_triton39.log).
+            # rises to 240 registers and the warpgroup of the producer and the two dQ writer warps (padded to four
+            # warps) drops to 24, which leaves the default partition 248: the loop used 235-255 at a 255 cap, and
+            # 230-238 so (ptxas, bench/results/ptx_dkdv_ws_triton39.log).
             gl.warp_specialize(
                 [
                     (_dkdv_keys, (inputs, outputs, smem, bars, scalars, stats, stats_at, modifiers, dq_share,
                                   exchange, 0, 4, BLOCK_M, 64, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16, VARLEN,
-                                  WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, DQ_ATOMIC, DQ_ORDERED, False)),
+                                  WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, DQ_ATOMIC, DQ_ORDERED, False,
+                                  DQ_WRITER)),
                     (_dkdv_keys, (inputs, outputs, smem, bars, scalars, stats, stats_at, modifiers, dq_share,
                                   exchange, 1, 4, BLOCK_M, 64, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16, VARLEN,
-                                  WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, DQ_ATOMIC, DQ_ORDERED, False)),
+                                  WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, DQ_ATOMIC, DQ_ORDERED, False,
+                                  DQ_WRITER)),
                     (_dkdv_load_tiles, (q_desc, do_desc, k_desc, v_desc, smem, bars, q_tail, batch, kv_head,
                                         k_origin + start_n, first_head, q_origin, lo, tiles_per_head, n_iters, seq_q,
                                         BLOCK_M, NUM_STAGES, VARLEN, DQ_ORDERED and CAUSAL)),
+                    (_dq_writer, (dq_desc, exchange, n_iters, lo, tiles_per_head, batch, first_head, dq_order,
+                                  0, BLOCK_M, BLOCK_D, DQ_WRITER, DQ_ORDERED, DQ_ORDERED and CAUSAL)),
+                    (_dq_writer, (dq_desc, exchange, n_iters, lo, tiles_per_head, batch, first_head, dq_order,
+                                  1, BLOCK_M, BLOCK_D, DQ_WRITER, DQ_ORDERED, DQ_ORDERED and CAUSAL)),
                 ],
-                [4, 1],
-                [240, 24],
+                [4, 1, 1, 1],
+                [240, 24, 24, 24],
             )  # fmt: skip
         else:
             mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -840,7 +910,7 @@ if gluon is not None:
                 )  # fmt: skip
             _dkdv_keys(inputs, outputs, smem, bars, scalars, stats, stats_at, modifiers, dq_share, exchange,
                        0, NUM_WARPS, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16, VARLEN, WINDOW_LEFT,
-                       WINDOW_RIGHT, SOFTCAP, ALIBI, DQ_ATOMIC, DQ_ORDERED, True)  # fmt: skip
+                       WINDOW_RIGHT, SOFTCAP, ALIBI, DQ_ATOMIC, DQ_ORDERED, True, False)  # fmt: skip
 
         mbarrier.invalidate(kv_bar)
         for i in gl.static_range(NUM_STAGES):
@@ -850,6 +920,9 @@ if gluon is not None:
         for i in gl.static_range(2):
             mbarrier.invalidate(ds_ready.index(i))
             mbarrier.invalidate(ds_free.index(i))
+        for i in gl.static_range(STAGES_DQ):
+            mbarrier.invalidate(dq_full.index(i))
+            mbarrier.invalidate(dq_empty.index(i))
 
 
 def dq_share_width(head_dim: int) -> int:
@@ -860,6 +933,18 @@ def dq_share_width(head_dim: int) -> int:
     one after the other and 9-10% faster than the whole share (more registers live: more spills); at D = 64 the
     whole share was 5-8% faster than halves."""
     return head_dim // 2 if head_dim > 64 else head_dim
+
+
+def dq_writer(head_dim: int, causal: bool, ordered: bool) -> bool:
+    """Whether the warp-specialised five-product block hands its dQ shares to dQ writer warps (the kernel's
+    DQ_WRITER, ``_dq_writer``) rather than adding them from the warpgroups.
+
+    Measured on the H100 (bf16/fp16, N = 1k-16k, alternating processes,
+    ``bench/results/h100_five_product_dq_writer_ab.log``): with ordered additions the writers took the
+    deterministic backward from 1.79-2.01x the unordered one's time to 1.17-1.26x at D = 128 and from 1.90-2.52x to
+    1.34-2.06x at D = 64 (the lock waits leave the warpgroups); unordered, 1.02-1.07x faster at D = 128 without a
+    causal mask, 0.97-1.01x with it, 0.91-1.01x at D = 64 (with one or two staging tiles)."""
+    return ordered or (head_dim == 128 and not causal)
 
 
 def dkdv_warp_specialized(num_warps: int) -> bool:
@@ -928,6 +1013,7 @@ def attention_dkdv_hopper(
     q_desc = tile_descriptor(q, block_m)
     dq_desc = q_desc if dq_acc is None else tile_descriptor(dq_acc, block_m, dq_share_width(D))  # (q's: not read)
     warp_specialized = dkdv_warp_specialized(num_warps)
+    writer = warp_specialized and dq_acc is not None and dq_writer(D, causal, dq_locks is not None)
     keys = 64 if warp_specialized else block_n  # the k/v/dk/dv boxes: one warpgroup's keys when specialised
     attention_dkdv_hopper_kernel[(num_n_blocks * B * Hkv,)](
         q_desc, tile_descriptor(k, keys), tile_descriptor(v, keys),
@@ -939,6 +1025,7 @@ def attention_dkdv_hopper(
         IS_FP16=q.dtype == torch.float16, VARLEN=varlen is not None, WINDOW_LEFT=modifiers.flags["WINDOW_LEFT"],
         WINDOW_RIGHT=modifiers.flags["WINDOW_RIGHT"],
         SOFTCAP=modifiers.flags["SOFTCAP"] != 0, ALIBI=modifiers.flags["ALIBI"], DQ_ATOMIC=dq_acc is not None,
-        DQ_ORDERED=dq_locks is not None, WARP_SPECIALIZED=warp_specialized,
+        DQ_ORDERED=dq_locks is not None, WARP_SPECIALIZED=warp_specialized, DQ_WRITER=writer,
+        DQ_STAGE_SLOTS=dq_stage_slots(D, writer),
         num_warps=KERNEL_WARPS if warp_specialized else num_warps,
     )  # fmt: skip

@@ -47,6 +47,7 @@ __all__ = [
     "HOPPER_DTYPES",
     "accumulator_layout",
     "cta_barrier",
+    "dq_stage_slots",
     "fence_async_shared",
     "gl",
     "gluon",
@@ -80,6 +81,15 @@ def head_dim_parts(head_dim: int) -> tuple[int, int]:
     if second and (second < 16 or second & (second - 1)):
         raise ValueError(f"head dim {head_dim} is not a power of two nor one plus a power of two >= 16")
     return first, second
+
+
+def dq_stage_slots(head_dim: int, writer: bool = True) -> int:
+    """The warp-specialised five-product block's float32 dQ staging tiles per warpgroup (``backward_gluon``'s
+    DQ_STAGE_SLOTS): with dQ writer warps (``_dq_writer``) two at D = 64, where a tile's products are short beside a
+    writer's round trip (measured on unordered calls, docs/design.md), and one at D = 128 (a second would leave 448
+    of the 232,448 bytes of shared memory an H100 CTA may hold; not measured); one when the warpgroups add their
+    shares themselves."""
+    return 2 if writer and head_dim == 64 else 1
 
 
 def check_warpgroup_rows(block_m: int, num_warps: int) -> None:

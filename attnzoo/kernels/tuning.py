@@ -45,7 +45,7 @@ from typing import NamedTuple
 import torch
 
 from .._env import autotune_requested, cache_dir
-from .gluon_hopper import head_dim_parts
+from .gluon_hopper import dq_stage_slots, head_dim_parts
 
 _CONFIG_TEXT = re.compile(r"(\d+)x(\d+) w(\d+) s(\d+)((?: (?:tma|gluon|persistent))*)")
 
@@ -225,9 +225,10 @@ def shared_memory_estimate(
         # registers, and its five-product build stages dS^T only, in two slots when warp-specialised) and, for the
         # five-product build, the float32 dQ share staged for its TMA reductions; the Gluon kernel's lse2/Delta
         # slots (two warpgroups' at most) and mbarriers.
-        # (The warp-specialised 128-key block stages one share per warpgroup: half of D each at D = 128, all of D
-        # at D = 64.)
-        dq_staging = 0 if kernel != "atomic" else 4 * m * block_d * (2 if cfg.num_warps == 8 and block_d < 128 else 1)
+        # (The warp-specialised 128-key block stages each warpgroup's share, half of D at D = 128 and all of D at
+        # D = 64, in dq_stage_slots tiles.)
+        shares = 2 * dq_stage_slots(block_d) if cfg.num_warps == 8 and block_d < 128 else 1
+        dq_staging = 0 if kernel != "atomic" else 4 * m * block_d * shares
         statistics = 32 * m + 1024 if cfg.gluon else 0
         return itemsize * ((block_d + dv) * (n + m * s) + 2 * m * n) + dq_staging + statistics
     # dq, atomic: Q and dO resident; K and V streamed; dS (and P^T) staged for the dots.
