@@ -273,9 +273,9 @@ if gluon is not None:
         dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op, dq))
         if SPLIT_COLUMNS:
             mbarrier.arrive(ds_free.index(slot))
-        # Hand the share to the dQ writer warp (_dq_writer): it issues the reduction, waits until the reduction has
-        # read the staging tile (and, DQ_ORDERED, for the lock's turn), and frees the tile, while this warpgroup
-        # goes on to the next Q tile.
+        # With DQ_WRITER the share goes to the dQ writer warp (_dq_writer), which issues the reduction, waits until
+        # it has read the staging tile (and, DQ_ORDERED, for the lock's turn) and frees the tile, while this
+        # warpgroup goes on to the next Q tile.
         stage = PART * STAGE_SLOTS + t % STAGE_SLOTS
         if DQ_WRITER:
             # The writer is done with the share STAGE_SLOTS tiles back (an mbarrier starts as if its phase "-1" had
@@ -321,18 +321,14 @@ if gluon is not None:
                 if DQ_ORDERED:
                     dq_locks_ptr, num_heads, num_m_tiles, n_block, prev_lo, prev_hi = order
                     after_predecessor = (start_m >= prev_lo) & (start_m < prev_hi)
-                    m_tile = start_m // BLOCK_M
-                    if SPLIT_COLUMNS:
-                        lock = _dq_lock(dq_locks_ptr, batch, first_head + g, num_heads, num_m_tiles, m_tile, PART)
-                        _wait_turn(lock, n_block, after_predecessor)
-                        turn = n_block
-                    else:
-                        lock = _dq_lock(dq_locks_ptr, batch, first_head + g, num_heads, num_m_tiles, m_tile, 0)
-                        turn = 2 * n_block + PART
-                        if PART == 0:
-                            _wait_turn(lock, turn, after_predecessor)
-                        else:  # after the first warpgroup's writer, always
-                            _wait_turn(lock, turn, True)
+                    if SPLIT_COLUMNS:  # this warpgroup's columns: a lock of their own, turn n_block
+                        lock_part, turn = PART, n_block
+                    else:  # every column: one lock, turns 2n (the first writer's) and 2n + 1 (after it, always)
+                        lock_part, turn = 0, 2 * n_block + PART
+                        after_predecessor = after_predecessor | (PART == 1)
+                    lock = _dq_lock(dq_locks_ptr, batch, first_head + g, num_heads, num_m_tiles, start_m // BLOCK_M,
+                                    lock_part)  # fmt: skip
+                    _wait_turn(lock, turn, after_predecessor)
                 tma_reduce_add(dq_desc, [batch, first_head + g, start_m, PART * COLS if SPLIT_COLUMNS else 0],
                                dq_stage.index(stage))  # fmt: skip
                 if DQ_ORDERED:
