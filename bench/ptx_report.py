@@ -2,10 +2,11 @@
 
 Triton's compiler and the ``ptxas`` it ships need no GPU: this builds the PTX of a kernel of ``attnzoo/kernels``
 with the specialisation a launch would get (strides of 1 become constants, pointers and row strides 16-byte
-aligned, sizes not specialised), runs ``ptxas -v`` on it, and prints registers per thread, spill bytes, and the
-widths of the global stores and reductions. Spills and 2-byte stores are what made two kernels slow on the H100
-(docs/design.md), and both show here without device time. The local Triton may be newer than the
-device's, so the numbers are a guide; timings still come from the GPU.
+aligned, sizes not specialised), runs ``ptxas -v`` on it, and prints registers per thread, spill bytes, the
+widths of the global stores and reductions, and ptxas's notice where it serialises a kernel's ``wgmma`` products.
+Spills, 2-byte stores and serialised products are what made kernels slow on the H100 (docs/design.md), and all
+three show here without device time. The local Triton may be newer than the device's, so the numbers are a guide;
+timings still come from the GPU.
 
     python bench/ptx_report.py --kernel dkdv --d 128 --config 64,128,8,3
     python bench/ptx_report.py --kernel forward,dkdv,dq,atomic --d 64,128 --causal
@@ -241,6 +242,9 @@ def report(
         reductions=collections.Counter(re.findall(r"\bred\.global(?:\.\w+)*?\.add((?:\.v\d)?\.[bf]\d+)", ptx))
         + collections.Counter("tma" for _ in re.finditer(r"\bcp\.reduce\.async\.bulk\.tensor\.", ptx)),
         shared_bytes=compiled.metadata.shared,
+        # "Potential Performance Loss: wgmma.mma_async instructions are serialized" (an info line, not a warning):
+        # ptxas waits for each product as it issues it.
+        ptxas_warnings=[line.strip() for line in text.splitlines() if "warning" in line or "Performance Loss" in line],
     )
 
 
@@ -295,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"wgmma waits {widths(r['mma_waits'])}",
                     flush=True,
                 )
+                for warning in r["ptxas_warnings"]:
+                    print(f"  ptxas: {warning}", flush=True)
     return 0
 
 

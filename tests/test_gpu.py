@@ -307,25 +307,26 @@ def test_five_product_backward_with_every_score_far_below_zero(cfg, ordered):
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("cfg", [str(c) for c in CANDIDATES["atomic"] if c.gluon])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_deterministic_atomic_backward_is_bitwise_reproducible(dtype, D, cfg):
+def test_deterministic_atomic_backward_is_bitwise_reproducible(dtype, D, cfg, causal):
     """``triton_atomic(deterministic=True)`` on Hopper, each Gluon config pinned: the dQ shares in a fixed order, so
-    repeated backwards are bitwise equal (causal, grouped-query heads, a Q tail; long enough that many K/V blocks
-    add into each dQ tile)."""
+    repeated backwards are bitwise equal (grouped-query heads, a Q tail; long enough that many K/V blocks add into
+    each dQ tile; the causal calls take their Q tiles in descending order, the full ones in ascending order)."""
     _needs_hopper()
     q, k, v, do, _ = _make(2, 8, 2, 4000, 4000, D, dtype, None, seed=3)
-    call = _prepared(q, k, v, D**-0.5, True)
+    call = _prepared(q, k, v, D**-0.5, causal)
     assert not call.gluon_reasons(KernelVariant.ATOMIC_ORDERED, do)  # the ordered Gluon kernel runs, not a fallback
     be = attnzoo.get("triton_atomic", deterministic=True, configs={"atomic": cfg})
-    o, lse = be.forward(q, k, v, causal=True)
-    first = be.backward(do, q, k, v, o, lse, causal=True)
+    o, lse = be.forward(q, k, v, causal=causal)
+    first = be.backward(do, q, k, v, o, lse, causal=causal)
     for _ in range(3):
-        again = be.backward(do, q, k, v, o, lse, causal=True)
+        again = be.backward(do, q, k, v, o, lse, causal=causal)
         for name, a, b in zip(("dq", "dk", "dv"), first, again, strict=True):
             assert torch.equal(a, b), name
-    errors = _gpu_oracle_errors((o, lse, *first), q, k, v, do, True, None)
+    errors = _gpu_oracle_errors((o, lse, *first), q, k, v, do, causal, None)
     for n, (e, b) in errors.items():
         assert e <= b, f"{n}: error {e:.3e} > bound {b:.3e}"
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()

@@ -34,7 +34,13 @@ def _ptx_report(*args: str) -> list[str]:
     if proc.returncode != 0 and "unexpected keyword argument 'constexprs'" in proc.stderr:
         pytest.skip("ptx_report compiles through the ASTSource API of Triton 3.4 and later")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return [line for line in proc.stdout.splitlines() if line.strip()]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    # ptxas serialises every wgmma of a kernel (waits for each product as it issues it) where it cannot prove that
+    # no other instruction touches an in-flight product's accumulator: an `if` around an asynchronous product, or
+    # "one outstanding" waited across a loop's back edge, did so without any error.
+    serialised = [line for line in lines if "Performance Loss" in line]
+    assert not serialised, "\n".join(serialised)
+    return [line for line in lines if not line.lstrip().startswith("ptxas:")]
 
 
 def test_outputs_leave_every_kernel_in_16_byte_stores():

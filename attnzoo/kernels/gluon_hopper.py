@@ -86,9 +86,9 @@ def head_dim_parts(head_dim: int) -> tuple[int, int]:
 def dq_stage_slots(head_dim: int, writer: bool = True) -> int:
     """The warp-specialised five-product block's float32 dQ staging tiles per warpgroup (``backward_gluon``'s
     DQ_STAGE_SLOTS): with dQ writer warps (``_dq_writer``) two at D = 64, where a tile's products are short beside a
-    writer's round trip (measured on unordered calls, docs/design.md), and one at D = 128 (a second would leave 448
-    of the 232,448 bytes of shared memory an H100 CTA may hold; not measured); one when the warpgroups add their
-    shares themselves."""
+    writer's round trip (measured on unordered calls, docs/design.md), and one at D = 128 (a second, which leaves 448
+    of the 232,448 bytes of shared memory an H100 CTA may hold, measured no faster); one when the warpgroups add
+    their shares themselves."""
     return 2 if writer and head_dim == 64 else 1
 
 
