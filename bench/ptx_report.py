@@ -244,7 +244,7 @@ def report(
         shared_bytes=compiled.metadata.shared,
         # "Potential Performance Loss: wgmma.mma_async instructions are serialized" (an info line, not a warning):
         # ptxas waits for each product as it issues it.
-        ptxas_warnings=[line.strip() for line in text.splitlines() if "warning" in line or "Performance Loss" in line],
+        ptxas_notices=[line.strip() for line in text.splitlines() if "warning" in line or "Performance Loss" in line],
     )
 
 
@@ -299,8 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"wgmma waits {widths(r['mma_waits'])}",
                     flush=True,
                 )
-                for warning in r["ptxas_warnings"]:
-                    print(f"  ptxas: {warning}", flush=True)
+                for notice in r["ptxas_notices"]:
+                    print(f"  ptxas: {notice}", flush=True)
     return 0
 
 
