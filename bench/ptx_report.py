@@ -3,10 +3,10 @@
 Triton's compiler and the ``ptxas`` it ships need no GPU: this builds the PTX of a kernel of ``attnzoo/kernels``
 with the specialisation a launch would get (strides of 1 become constants, pointers and row strides 16-byte
 aligned, sizes not specialised), runs ``ptxas -v`` on it, and prints registers per thread, spill bytes, the
-widths of the global stores and reductions, and ptxas's notice where it serialises a kernel's ``wgmma`` products.
-Spills, 2-byte stores and serialised products are what made kernels slow on the H100 (docs/design.md), and all
-three show here without device time. The local Triton may be newer than the device's, so the numbers are a guide;
-timings still come from the GPU.
+widths of the global stores and reductions, and under them ptxas's notice where it serialises a kernel's ``wgmma``
+products (and any ptxas warning). Spills, 2-byte stores and serialised products are what made kernels slow on the
+H100 (docs/design.md), and all three show here without device time. The local Triton may be newer than the
+device's, so the numbers are a guide; timings still come from the GPU.
 
     python bench/ptx_report.py --kernel dkdv --d 128 --config 64,128,8,3
     python bench/ptx_report.py --kernel forward,dkdv,dq,atomic --d 64,128 --causal

@@ -35,10 +35,11 @@ def _ptx_report(*args: str) -> list[str]:
         pytest.skip("ptx_report compiles through the ASTSource API of Triton 3.4 and later")
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    # ptxas serialises every wgmma of a kernel (waits for each product as it issues it) where it cannot prove that
-    # no other instruction touches an in-flight product's accumulator: an `if` around an asynchronous product, or
-    # "one outstanding" waited across a loop's back edge, did so without any error.
-    serialised = [line for line in lines if "Performance Loss" in line]
+    # ptxas serialises every wgmma of a kernel (waits for each product as it issues it) where it does not see that no
+    # other instruction touches an in-flight product's accumulator: an `if` around an asynchronous product, or "one
+    # outstanding" waited across a loop's back edge, did so without any error.  The report prints ptxas's notices
+    # (and any warning) under the config's line.
+    serialised = [f"{config}\n{notice}" for config, notice in itertools.pairwise(lines) if "Performance Loss" in notice]
     assert not serialised, "\n".join(serialised)
     return [line for line in lines if not line.lstrip().startswith("ptxas:")]
 
