@@ -226,8 +226,8 @@ def shared_memory_estimate(
         # five-product build, the float32 dQ share staged for its TMA reductions; the Gluon kernel's lse2/Delta
         # slots (two warpgroups' at most) and mbarriers.
         # (The warp-specialised 128-key block stages each warpgroup's share, half of D at D = 128 and all of D at
-        # D = 64, in dq_stage_slots tiles.)
-        shares = 2 * dq_stage_slots(block_d) if cfg.num_warps == 8 and block_d < 128 else 1
+        # D = 64, in dq_stage_slots tiles: in D-wide tiles, one per slot at D = 128 and two at D = 64.)
+        shares = dq_stage_slots(block_d) * (1 if block_d >= 128 else 2) if cfg.num_warps == 8 else 1
         dq_staging = 0 if kernel != "atomic" else 4 * m * block_d * shares
         statistics = 32 * m + 1024 if cfg.gluon else 0
         return itemsize * ((block_d + dv) * (n + m * s) + 2 * m * n) + dq_staging + statistics
