@@ -830,3 +830,20 @@ def test_launch_keys_use_the_next_power_of_two():
         assert bucket == min(max(64, 2 ** math.ceil(math.log2(max(n, 1)))), 16384)
     for d in [1, 15, 16, 17, 64, 80, 96, 128, 129, 256]:
         assert tuning.head_dim_tile(d) == max(16, 2 ** math.ceil(math.log2(d)))
+
+
+def test_the_five_product_dq_buffer_is_read_back_in_row_order():
+    # The Gluon five-product block stores row q of each group of 8 of its dQ shares at 2q mod 8 + q div 4 (the
+    # 128-byte swizzle would put rows q and q ^ 1 on the same shared-memory banks); the conversion undoes it.
+    from attnzoo.kernels.backward_gluon import dq_staging_order
+
+    B, H, padded, nq, D = 2, 3, 64, 50, 16
+    dq = torch.randn(B, H, padded, D, dtype=torch.float32)
+    row = torch.arange(padded)
+    q = row % 8
+    staged = torch.full_like(dq, float("nan"))
+    staged[:, :, row - q + (2 * q) % 8 + q // 4] = dq
+    assert sorted(((2 * q) % 8 + q // 4)[:8].tolist()) == list(range(8))  # a permutation of each 8
+    out = dq_staging_order(staged, nq, torch.float16)
+    assert out.dtype == torch.float16 and out.shape == (B, H, nq, D) and out.is_contiguous()
+    torch.testing.assert_close(out, dq[:, :, :nq].half(), rtol=0, atol=0)

@@ -14,11 +14,11 @@ On Hopper (``delta="preprocess"``) the tuner also has the five-product backward:
 ``kernels/backward_gluon.py`` computes dK and dV of its keys in registers and adds each Q tile's dQ share into a
 float32 buffer by TMA reductions (atomic additions of a shared-memory tile); there dQ is the sum that varies in
 order.  Its 128-key block is warp-specialised, each warpgroup adding 64 of dQ's columns at D = 128 and its own
-keys' share at D = 64; on the H100 its backward ran 0.89-0.94x cuDNN's at D = 128 and 0.83-0.91x at D = 64
-(docs/design.md).  ``deterministic=True`` adds those shares in a fixed order (locks per dQ tile, taken in block
-order, FlashAttention-3's scheme):
-the whole backward is then bitwise reproducible, and calls outside that kernel's scope run the two-kernel backward
-(reproducible too).
+keys' share at D = 64; on the H100 its backward ran 0.89-0.94x cuDNN's at D = 128 and 0.83-0.91x at D = 64 on the
+grids, and 0.91-1.03x and 0.86-0.92x in later A/B processes with the dQ staging rows permuted (docs/design.md).
+``deterministic=True`` adds those shares in a fixed order (locks per dQ tile, taken in block order, FlashAttention-3's
+scheme): the whole backward is then bitwise reproducible, and calls outside that kernel's scope run the two-kernel
+backward (reproducible too).
 """
 
 from __future__ import annotations

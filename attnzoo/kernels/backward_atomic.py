@@ -26,7 +26,7 @@ from triton.compiler.errors import CompilationError
 
 from .._env import triton_interpreter_active
 from .backward_2kernel import attention_backward_2kernel
-from .backward_gluon import attention_dkdv_hopper
+from .backward_gluon import attention_dkdv_hopper, dq_staging_order
 from .common import (
     LOG2E,
     alibi_slope2,
@@ -370,7 +370,7 @@ def attention_backward_atomic(
                     q, k, v, do, lse2, delta, dk, dv, call.scale, call.causal, modifiers,
                     cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, dq_acc=dq_acc, dq_locks=dq_locks,
                 )  # fmt: skip
-                result.append((dq_acc[:, :, :Nq].to(q.dtype), dk, dv))
+                result.append((dq_staging_order(dq_acc, Nq, q.dtype), dk, dv))
                 return
             except CompilationError as error:  # Gluon's API drifted (frontend error): the Triton kernel serves
                 record_compile_failure(error)

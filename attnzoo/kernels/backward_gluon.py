@@ -42,11 +42,12 @@ warp-specialised block at D = 128 splits dQ's columns between the warpgroups, as
 publishes its keys' dS^T in shared memory and multiplies the whole tile by its 64 columns of K
 (``_exchange_ds_add_dq``), so that a warpgroup holds a 64 x 64 dQ accumulator beside dK and dV, not 64 x 128; ptxas
 fits it in the 240 and 248 registers that ``setmaxnreg`` gives (4-12 B of spills, where the block of two warpgroups
-in step, at 255 registers, spilled 116-120 B).  On the H100 it runs the backward at 0.89-0.94x cuDNN's at D = 128,
-where that block ran 0.61-0.70x.  At D = 64 each warpgroup adds its own keys' share of all 64 columns (the same
-accumulator size, no exchange): 1.02-1.17x the one-warpgroup block (docs/design.md).  Two dQ writer warps, one per
-warpgroup, can take the reductions off the warpgroups, and with DQ_ORDERED the lock turns (``_dq_writer``,
-``dq_writer``).
+in step, at 255 registers, spilled 116-120 B).  On the H100 it ran the backward at 0.89-0.94x cuDNN's at D = 128 on
+the grid, where that block ran 0.61-0.70x, and at 0.91-1.03x in later A/B processes once the dQ staging tile's rows
+were permuted against a bank conflict (``_staging_rows``). At D = 64 each warpgroup adds its own keys' share of all 64
+columns (the same accumulator size, no exchange): 1.02-1.17x the one-warpgroup block (docs/design.md). Two dQ writer
+warps, one per warpgroup, can take the reductions off the warpgroups, and with DQ_ORDERED the lock turns
+(``_dq_writer``, ``dq_writer``).
 
 Packed batches (VARLEN, ``attention_varlen``) run on ``[1, H, total, D]`` views, one K/V block of one sequence per
 program.  A Q/dO box of a sequence's last Q tile reaches into the next sequence's rows: those rows are zeroed in
@@ -60,6 +61,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import triton
+import triton.language as tl
 
 from .common import LOG2E, kv_block_opening, q_loop_bounds
 from .forward_gluon import KERNEL_WARPS
@@ -198,6 +201,16 @@ if gluon is not None:
         return dq_locks_ptr + ((batch * num_heads + head).to(gl.int64) * num_m_tiles + m_tile) * 2 + part
 
     @gluon.jit
+    def _staging_rows(tile, ROWS: gl.constexpr, COLS: gl.constexpr):
+        """A float32 dQ staging tile as ``[ROWS, COLS]`` rows, row ``q`` of each group of 8 stored at ``2q mod 8 + q
+        div 4`` (``dq_staging_order`` undoes it in the accumulator).  A 64-bit store of the wgmma accumulator covers
+        rows q = 0..7, 32 bytes of each, in two half-warps of rows 0..3 and 4..7; the 128-byte swizzle XORs a row's
+        16-byte chunk index with its row number, so rows q and q ^ 1 would put their bytes on the same banks (ncu: 4
+        wavefronts a store against 2).  Placed at rows 0, 2, 4, 6 (and 1, 3, 5, 7) they take four different chunk
+        pairs."""
+        return tile.reshape([ROWS // 8, 2, 2, 2, COLS]).permute((0, 3, 1, 2, 4)).reshape([ROWS, COLS])
+
+    @gluon.jit
     def _wait_turn(lock, turn, after_predecessor):
         """Ordered dQ additions: when the adder before this one also adds into the tile (``after_predecessor``),
         wait until ``lock`` shows ``turn`` (a block's index, or at D = 64 ``2 n_block + PART``: see
@@ -284,7 +297,7 @@ if gluon is not None:
         else:
             tma.store_wait(0)  # the previous tile's reduction has read the staging tile (each issuer waits for its own)
             cta_barrier()
-        dq_stage.index(stage).reshape([BLOCK_M, COLS]).store(dq * sm_scale)
+        _staging_rows(dq_stage.index(stage), BLOCK_M, COLS).store(dq * sm_scale)
         fence_async_shared()
         cta_barrier()  # every warp's rows are in, before the one arrive (or the reduction)
         if DQ_WRITER:
@@ -548,12 +561,12 @@ if gluon is not None:
                         gl.zeros([BLOCK_M, DQ_WIDTH], gl.float32, dq_layout), use_acc=False, is_async=True,
                     )  # fmt: skip
                     dk, dq_first = warpgroup_mma_wait(1, deps=(dk, dq_first))
-                    dq_first_smem.reshape([BLOCK_M, DQ_WIDTH]).store(dq_first * sm_scale)
+                    _staging_rows(dq_first_smem, BLOCK_M, DQ_WIDTH).store(dq_first * sm_scale)
                     dq_second = warpgroup_mma_wait(0, deps=(dq_second,))
-                    dq_second_smem.reshape([BLOCK_M, DQ_WIDTH]).store(dq_second * sm_scale)
+                    _staging_rows(dq_second_smem, BLOCK_M, DQ_WIDTH).store(dq_second * sm_scale)
                 else:
                     dk, dq_first = warpgroup_mma_wait(0, deps=(dk, dq_first))
-                    dq_first_smem.reshape([BLOCK_M, DQ_WIDTH]).store(dq_first * sm_scale)
+                    _staging_rows(dq_first_smem, BLOCK_M, DQ_WIDTH).store(dq_first * sm_scale)
                 fence_async_shared()  # the share's stores, before the TMA reductions read them
             else:
                 ds_op = gl.convert_layout(ds_t.to(DTYPE), operand_layout)
@@ -929,6 +942,36 @@ def dq_share_width(head_dim: int) -> int:
     one after the other and 9-10% faster than the whole share (more registers live: more spills); at D = 64 the
     whole share was 5-8% faster than halves."""
     return head_dim // 2 if head_dim > 64 else head_dim
+
+
+@triton.jit
+def _dq_in_row_order_kernel(
+    dq_acc, dq, nq, padded_rows, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """Rows ``[start, start + BLOCK_ROWS)`` of one (batch, head) of dQ: row ``r`` read from the float32 staging
+    order's row ``r - r mod 8 + (2r) mod 8 + (r mod 8) div 4`` and stored in dQ's dtype."""
+    head = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    in_group = rows % 8
+    staged_rows = rows - in_group + (2 * in_group) % 8 + in_group // 4
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < nq)[:, None] & (cols < HEAD_DIM)[None, :]
+    staged = dq_acc + head * padded_rows * HEAD_DIM + staged_rows[:, None] * HEAD_DIM + cols[None, :]
+    out = dq + head * nq * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
+    tl.store(out, tl.load(staged, mask=mask).to(dq.dtype.element_ty), mask=mask)
+
+
+def dq_staging_order(dq_acc: torch.Tensor, nq: int, dtype: torch.dtype) -> torch.Tensor:
+    """``dq_acc`` (contiguous float32 ``[B, H, Nq', D]``, ``Nq'`` a multiple of 8, rows in the order of
+    ``_staging_rows``: row ``8a + q`` of dQ at ``8a + 2q mod 8 + q div 4``) -> dQ ``[B, H, nq, D]`` in ``dtype``,
+    rows in order.  One pass, in the plain conversion's time (H100: 72-73 us for 16k x 2048 columns, where a permuted
+    view's ``copy_`` took 105 us)."""
+    B, H, padded, D = dq_acc.shape
+    dq = torch.empty((B, H, nq, D), dtype=dtype, device=dq_acc.device)
+    block_rows = 32
+    grid = (triton.cdiv(nq, block_rows), B * H)
+    _dq_in_row_order_kernel[grid](dq_acc, dq, nq, padded, D, block_rows, triton.next_power_of_2(D))
+    return dq
 
 
 def dq_writer(head_dim: int, causal: bool, ordered: bool) -> bool:
