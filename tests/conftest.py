@@ -14,6 +14,49 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _patch_the_language_once_per_launch() -> None:
+    """Make Triton's interpreter patch ``triton.language`` once per kernel launch, not at every helper call.
+
+    The interpreter swaps the builtins of ``tl``, ``tl.core``, ``tl.math`` and the tensor class for interpreted ones
+    when a kernel launches (``_patch_lang``), and again, through ``inspect.getmembers``, at every call of a
+    ``@triton.jit`` helper inside the kernel: about 1.4 ms a call, over half of an interpreted test's time
+    (cProfile, Triton 3.9). The launch's patches already hold for the helpers (the same module objects), so a helper's
+    call whose language modules the launch has patched skips it. Triton 3.6 and later undo the patches when the
+    launch ends; Triton 3.2 keeps them. With a Triton whose interpreter has no ``_patch_lang`` nothing changes; a
+    helper that reached an unpatched builtin would fail, not pass."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    if patch_lang is None or getattr(patch_lang, "once_per_launch", False):
+        return
+    patched: set[int] = set()  # the language modules (ids) patched now
+
+    def patch_once_per_launch(fn):
+        langs = {id(value) for value in fn.__globals__.values() if value is tl or value is tl.core}
+        if langs and langs <= patched:
+            return None  # a helper's call: the launch patched these (its caller ignores the return value)
+        scope = patch_lang(fn)
+        patched.update(langs)
+        if scope is not None:  # Triton >= 3.6: the launch restores the modules when it ends
+
+            def restore(restore=scope.restore):
+                restore()
+                patched.clear()
+
+            scope.restore = restore
+        return scope
+
+    patch_once_per_launch.once_per_launch = True
+    interpreter._patch_lang = patch_once_per_launch
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_the_language_once_per_launch()
 # Every backend output is NaN-filled before its kernel runs, so an element a kernel forgets to write fails.
 os.environ.setdefault("ATTNZOO_POISON_OUTPUTS", "1")
 
