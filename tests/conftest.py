@@ -20,39 +20,44 @@ def _patch_the_language_once_per_launch() -> None:
     """Make Triton's interpreter patch ``triton.language`` once per kernel launch, not at every helper call.
 
     The interpreter swaps the builtins of ``tl``, ``tl.core``, ``tl.math`` and the tensor class for interpreted ones
-    when a kernel launches (``_patch_lang``), and again, through ``inspect.getmembers``, at every call of a
-    ``@triton.jit`` helper inside the kernel: about 1.4 ms a call, over half of an interpreted test's time
-    (cProfile, Triton 3.9). The launch's patches already hold for the helpers (the same module objects), so a helper's
-    call whose language modules the launch has patched skips it. Triton 3.6 and later undo the patches when the
-    launch ends; Triton 3.2 keeps them. With a Triton whose interpreter has no ``_patch_lang`` nothing changes; a
-    helper that reached an unpatched builtin would fail, not pass."""
+    when a kernel launches (``_patch_lang`` in ``GridExecutor.__call__``), and again, through ``inspect.getmembers``,
+    at every call of a ``@triton.jit`` helper inside the kernel: about 1.4 ms a call, over half of an interpreted
+    test's time (cProfile, Triton 3.9). The launch's patches hold for its helpers (the same module objects), so while
+    a launch runs, a helper's call whose language modules are patched already skips it. Triton 3.6 and later undo the
+    patches when the launch ends, Triton 3.2 keeps them; both re-patch at the next launch as before. With a Triton
+    whose interpreter lacks these names nothing changes; a helper that reached an unpatched builtin would fail, not
+    pass."""
     try:
         import triton.language as tl
         from triton.runtime import interpreter
     except ImportError:
         return
     patch_lang = getattr(interpreter, "_patch_lang", None)
-    if patch_lang is None or getattr(patch_lang, "once_per_launch", False):
+    grid_executor = getattr(interpreter, "GridExecutor", None)
+    if patch_lang is None or grid_executor is None or getattr(patch_lang, "once_per_launch", False):
         return
-    patched: set[int] = set()  # the language modules (ids) patched now
+    no_patches = getattr(interpreter, "_LangPatchScope", lambda: None)  # what a skipped call returns (3.6+: a scope)
+    launch: dict = {"running": False, "langs": None}  # the language modules (ids) the launch in progress patched
 
     def patch_once_per_launch(fn):
         langs = {id(value) for value in fn.__globals__.values() if value is tl or value is tl.core}
-        if langs and langs <= patched:
-            return None  # a helper's call: the launch patched these (its caller ignores the return value)
+        if launch["langs"] is not None and langs <= launch["langs"]:
+            return no_patches()
         scope = patch_lang(fn)
-        patched.update(langs)
-        if scope is not None:  # Triton >= 3.6: the launch restores the modules when it ends
-
-            def restore(restore=scope.restore):
-                restore()
-                patched.clear()
-
-            scope.restore = restore
+        if launch["running"]:  # the launch's own call, or a helper's from modules it had not patched (those of
+            launch["langs"] = langs | (launch["langs"] or set())  # tl.zeros, say): patched until the launch ends
         return scope
+
+    def run_launch(self, *args, launch_call=grid_executor.__call__, **kwargs):
+        launch.update(running=True, langs=None)
+        try:
+            return launch_call(self, *args, **kwargs)
+        finally:
+            launch.update(running=False, langs=None)
 
     patch_once_per_launch.once_per_launch = True
     interpreter._patch_lang = patch_once_per_launch
+    grid_executor.__call__ = run_launch
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":

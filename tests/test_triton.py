@@ -837,13 +837,15 @@ def test_the_five_product_dq_buffer_is_read_back_in_row_order():
     # 128-byte swizzle would put rows q and q ^ 1 on the same shared-memory banks); the conversion undoes it.
     from attnzoo.kernels.backward_gluon import dq_staging_order
 
-    B, H, padded, nq, D = 2, 3, 64, 50, 16
-    dq = torch.randn(B, H, padded, D, dtype=torch.float32)
-    row = torch.arange(padded)
-    q = row % 8
+    B, H, padded, nq, D = 2, 3, 64, 50, 80
+    dq = torch.randn(B, H, padded, D, dtype=torch.float32, device=DEVICE)
+    # The buffer as the kernel's reductions leave it: each tile stored through the view `_staging_rows` takes
+    # (reshape [rows / 8, 2, 2, 2, D], permute (0, 3, 1, 2, 4)), here with the batch and head dims in front.
     staged = torch.full_like(dq, float("nan"))
-    staged[:, :, row - q + (2 * q) % 8 + q // 4] = dq
-    assert sorted(((2 * q) % 8 + q // 4)[:8].tolist()) == list(range(8))  # a permutation of each 8
+    groups = (B, H, padded // 8, 2, 2, 2, D)
+    staged.view(groups).permute(0, 1, 2, 5, 3, 4, 6).copy_(dq.view(groups))
+    row = torch.arange(8)
+    assert torch.equal(staged[0, 0, (2 * row) % 8 + row // 4], dq[0, 0, :8])  # row q of each 8 at 2q mod 8 + q div 4
     out = dq_staging_order(staged, nq, torch.float16)
     assert out.dtype == torch.float16 and out.shape == (B, H, nq, D) and out.is_contiguous()
     torch.testing.assert_close(out, dq[:, :, :nq].half(), rtol=0, atol=0)

@@ -370,12 +370,13 @@ def attention_backward_atomic(
                     q, k, v, do, lse2, delta, dk, dv, call.scale, call.causal, modifiers,
                     cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, dq_acc=dq_acc, dq_locks=dq_locks,
                 )  # fmt: skip
-                result.append((dq_staging_order(dq_acc, Nq, q.dtype), dk, dv))
-                return
             except CompilationError as error:  # Gluon's API drifted (frontend error): the Triton kernel serves
                 record_compile_failure(error)
                 if ordered:
                     raise
+            else:
+                result.append((dq_staging_order(dq_acc, Nq, q.dtype), dk, dv))
+                return
         dq = buffer("dq", q.shape, q.dtype)
         dk_acc = buffer("dk_acc", k.shape, torch.float32, zeroed=True)
         dv_acc = buffer("dv_acc", v.shape, torch.float32, zeroed=True)
