@@ -129,12 +129,15 @@ def gluon_source(
         dq_writer,
     )
     from attnzoo.kernels.backward_gluon_dq import attention_dq_hopper_kernel
+    from attnzoo.kernels.backward_gluon_wide import attention_dkdv_wide_kernel
     from attnzoo.kernels.forward_gluon import KERNEL_WARPS, attention_forward_hopper_kernel
 
     if kernel_name == "forward":
         kernel, q_rows, num_warps = attention_forward_hopper_kernel, 64, KERNEL_WARPS
     elif kernel_name == "dq":
         kernel, q_rows, num_warps = attention_dq_hopper_kernel, 64, KERNEL_WARPS
+    elif d == 256:  # the head-dim-split kernel (backward_gluon_wide), launched with one warpgroup
+        kernel, q_rows, num_warps = attention_dkdv_wide_kernel, cfg.block_m, KERNEL_WARPS
     else:
         kernel, q_rows, num_warps = attention_dkdv_hopper_kernel, cfg.block_m, cfg.num_warps
     warp_specialized = kernel_name == "dkdv" and dkdv_warp_specialized(cfg.num_warps)

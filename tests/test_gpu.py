@@ -241,6 +241,42 @@ def test_gluon_hopper_dkdv_against_oracle(cfg):
         _report(f"[gluon dkdv] {cfg} {str(dtype)[6:]} N={Nq}x{Nk} D={D} causal={causal} {layout}: {errors}")
 
 
+def test_gluon_dkdv_at_head_dim_256():
+    """D = Dv = 256 runs the head-dim-split dK/dV kernel (``backward_gluon_wide.py``: two warpgroups exchanging P^T
+    and dS^T through shared memory) through the launch layer: dk and dv (and dq, from the dQ kernel beside it) within
+    SPEC.md's bound of the float64 oracle on the HEAD_DIM_256_CASES (Q and K/V tails, one query row, GQA summed,
+    Nq != Nk, causal), every element written (NaN-filled first, conftest)."""
+    _needs_hopper()
+    cfg = KernelConfig.parse("64x64 w4 s2 gluon")
+    for dtype, B, H, Hkv, Nq, Nk, causal in HEAD_DIM_256_CASES:
+        x = random_inputs(B, H, Hkv, Nq, Nk, 256, dtype=dtype, device=CUDA, seed=Nq + Nk + 1)
+        do = x.do
+        call = _prepared(x.q, x.k, x.v, 256**-0.5, causal, forced={"dkdv": cfg})
+        assert not call.gluon_reasons(KernelVariant.DKDV, do), call.gluon_reasons(KernelVariant.DKDV, do)
+        o, lse = attention_forward(call)
+        dq, dk, dv = attention_backward_2kernel(call, do, o, lse)
+        label = f"{cfg} {dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D=256 causal={causal}"
+        _report(f"[gluon dkdv D=256] {label}: {_check_gradients(label, x.q, x.k, x.v, do, causal, o, dq, dk, dv)}")
+    assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
+
+
+def test_gluon_dq_at_head_dim_256():
+    """D = Dv = 256 runs the head-dim-split dQ kernel (``backward_gluon_wide.py``) through the launch layer, beside
+    the Triton dK/dV tile that reads the Delta and lse2 it writes: dq, dk and dv within SPEC.md's bound of the
+    float64 oracle on the HEAD_DIM_256_CASES, every element written (NaN-filled first, conftest)."""
+    _needs_hopper()
+    forced = {"dq": KernelConfig.parse("64x64 w4 s2 gluon"), "dkdv": KernelConfig.parse("64x32 w8 s2")}
+    for dtype, B, H, Hkv, Nq, Nk, causal in HEAD_DIM_256_CASES:
+        x = random_inputs(B, H, Hkv, Nq, Nk, 256, dtype=dtype, device=CUDA, seed=Nq + Nk + 2)
+        call = _prepared(x.q, x.k, x.v, 256**-0.5, causal, forced=forced)
+        o, lse = attention_forward(call)
+        assert not call.gluon_reasons(KernelVariant.DQ, x.do, o), call.gluon_reasons(KernelVariant.DQ, x.do, o)
+        dq, dk, dv = attention_backward_2kernel(call, x.do, o, lse)
+        label = f"{dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D=256 causal={causal}"
+        _report(f"[gluon dq D=256] {label}: {_check_gradients(label, x.q, x.k, x.v, x.do, causal, o, dq, dk, dv)}")
+    assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
+
+
 @pytest.mark.parametrize("cfg", [c for c in CANDIDATES["dq"] if c.gluon], ids=str)
 def test_gluon_hopper_dq_against_oracle(cfg):
     """Each ``gluon`` dQ candidate runs the Gluon kernel on these inputs (not its Triton twin): dq within SPEC.md's

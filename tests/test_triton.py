@@ -265,12 +265,20 @@ def test_the_gluon_scopes_name_the_modifiers_their_kernels_lack(variant, modifie
     assert scope.modifier_reasons(prepare(q, k, k, validate_forward(q, k, k)).modifiers) == []
 
 
-@pytest.mark.parametrize("variant", [KernelVariant.FORWARD, KernelVariant.DKDV, KernelVariant.ATOMIC_PREPROCESS])
+@pytest.mark.parametrize(
+    "variant", [KernelVariant.FORWARD, KernelVariant.DKDV, KernelVariant.DQ, KernelVariant.ATOMIC_PREPROCESS]
+)
 def test_the_gluon_scopes_take_the_head_dims_their_kernels_were_checked_with(variant):
-    """D = Dv = 64 and 128 run both Gluon kernels, and D = 192 with Dv = 128 (in two column parts) and D = Dv = 256
-    the forward's; other pairs do not, and the reason names them."""
+    """D = Dv = 64 and 128 run every Gluon kernel, D = 192 with Dv = 128 (in two column parts) the forward's, and
+    D = Dv = 256 the forward's and the two-kernel backward's (backward_gluon_wide.py), not the five-product one;
+    other pairs do not, and the reason names them."""
     scope = variant.gluon_scope
-    in_scope = [(64, 64), (128, 128)] + ([(192, 128), (256, 256)] if variant is KernelVariant.FORWARD else [])
+    wide = {
+        KernelVariant.FORWARD: [(192, 128), (256, 256)],
+        KernelVariant.DKDV: [(256, 256)],
+        KernelVariant.DQ: [(256, 256)],
+    }
+    in_scope = [(64, 64), (128, 128), *wide.get(variant, [])]
     for dims in in_scope:
         assert scope.head_dim_reasons(*dims) == [], dims
     for dims in {(64, 32), (256, 256), (192, 192), (192, 128)} - set(in_scope):
@@ -677,11 +685,19 @@ def test_wide_tiles_take_the_configs_timed_at_d192(monkeypatch):
     the shared-memory estimate counts, so the 128 x 64 three-stage forward fits."""
     monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 232_448)  # an H100's
     cpu, pick = torch.device("cpu"), tuning.heuristic_pick
+
+    def triton_tiles(kernel, dv):  # outside the Gluon scope (D = 192; D = 256 off Hopper): the launcher's filter
+        return [c for c in tuning.candidates(kernel, 256, torch.float16, cpu, block_dv=dv) if not c.gluon]
+
     for dv, dkdv, dq in ((128, "32x128 w8 s3", "64x64 w4 s3 tma"), (256, "64x32 w8 s2", "64x32 w4 s2")):
-        assert str(pick("dkdv", 256, tuning.candidates("dkdv", 256, torch.float16, cpu, block_dv=dv))) == dkdv
-        assert str(pick("dq", 256, tuning.candidates("dq", 256, torch.float16, cpu, block_dv=dv))) == dq
+        assert str(pick("dkdv", 256, triton_tiles("dkdv", dv))) == dkdv
+        assert str(pick("dq", 256, triton_tiles("dq", dv))) == dq
+    # D = Dv = 256 in the Gluon scope: the head-dim-split kernels (backward_gluon_wide.py).
+    for kernel in ("dkdv", "dq"):
+        in_scope = tuning.candidates(kernel, 256, torch.float16, cpu, gluon_head_dims=(256, 256))
+        assert str(pick(kernel, 256, in_scope)) == "64x64 w4 s2 gluon"
     # Without TMA descriptors (the launcher drops TMA configs), the dQ pick is the next of the list.
-    no_tma = [c for c in tuning.candidates("dq", 256, torch.float16, cpu, block_dv=128) if not c.tma]
+    no_tma = [c for c in triton_tiles("dq", 128) if not c.tma]
     assert str(pick("dq", 256, no_tma)) == "128x32 w8 s3"
     assert str(pick("atomic", 256, tuning.candidates("atomic", 256, torch.float16, cpu))) == "128x32 w8 s2"
     # The Gluon forward: its 128 x 128 tile where that fits (D = 192, Dv = 128), else its 128 x 64 one (D = 256).

@@ -233,18 +233,20 @@ def test_shipped_table_reads_back_from_the_logs(tmp_path):
         "h100_dkdv_tuning_d64_m128.log",
         "h100_dkdv_tuning_d64_packed.log",
         "h100_atomic_tuning_d64_ws.log",
+        "h100_d256_wide_bf16.log",
+        "h100_d256_wide_fp16.log",
     ]
     winners = tuning.write_shipped_table([ROOT / "bench" / "results" / s for s in sources], H100.name, tmp_path / "t")
     assert shipped["gpu"] == H100.name and shipped["winners"] == winners
     # 200 dense keys (fp16/bf16, D 64/128, 5 N buckets, causal or not: forward, dq, dkdv and the atomic kernel with
     # either Delta), and 32 packed ones (fp16/bf16, D 64/128, the 4k bucket, causal or not: forward, dq, dkdv and the
     # atomic kernel with Delta precomputed, as `tune` runs it), 6 FP8 forward ones (D 128, 4k-16k, causal or not), and
-    # 16 at D = 256 (the forward at fp16/bf16, N 2k, 8k and 16k; bf16's dK/dV at 2k and 8k; causal or not).  The
+    # 36 at D = 256 (the forward, dQ and dK/dV at fp16/bf16, N 2k, 8k and 16k, causal or not).  The
     # short-forward logs retune keys the grids have, and so do the dQ kernel's tuning (its Gluon configs; dense and
     # packed keys), the dK/dV kernel's (dense keys, and at D = 64 packed ones with the 128-row tile) and the packed
     # D = 64 forward's.
-    assert len(winners) == 254 and sum(" varlen" in key for key in winners) == 32
-    assert sum("float8_e4m3fn" in key for key in winners) == 6 and sum("BLOCK_D=256" in key for key in winners) == 16
+    assert len(winners) == 274 and sum(" varlen" in key for key in winners) == 32
+    assert sum("float8_e4m3fn" in key for key in winners) == 6 and sum("BLOCK_D=256" in key for key in winners) == 36
     for text, cfg in winners.items():
         assert KernelConfig.parse(cfg) in tuning.CANDIDATES[text.split()[0].split(":")[0]], (text, cfg)
 

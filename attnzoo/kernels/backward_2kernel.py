@@ -9,7 +9,9 @@ from one extra load of O, stores lse in base 2 beside it, and loops over the K/V
 ``dkdv_kernel`` then keeps one K/V block resident and loops over the Q blocks (and, for grouped-query attention, over
 the query heads of the group), reading the stored lse2 and Delta, so each dK/dV row is summed in one program and
 written once.  No atomics: results are bitwise reproducible.  On Hopper the tuner may run the dK/dV kernel's Gluon
-version instead (``backward_gluon.py``, ``gluon`` configs), which sums in the same order: the same bits.
+version instead (``backward_gluon.py``, ``gluon`` configs), which sums in the same order: the same bits.  At
+D = 256 both kernels have Gluon versions that split the head dim between two warpgroups (``backward_gluon_wide.py``;
+dS from P rounded to the input dtype, so not the Triton kernels' bits).
 
 FLOPs: the dK/dV kernel 4 matrix products (S, dP, dV, dK) and the dQ kernel 3 (S, dP, dQ), each 2*Nq*Nk*D per head:
 14*B*H*Nq*Nk*D in total, i.e. 3.5x the forward (the usual 2.5x count excludes the recomputation of S and dP
@@ -25,6 +27,7 @@ from triton.compiler.errors import CompilationError
 
 from .backward_gluon import attention_dkdv_hopper
 from .backward_gluon_dq import attention_dq_hopper
+from .backward_gluon_wide import attention_dkdv_wide_hopper, attention_dq_wide_hopper
 from .common import (
     LOG2E,
     alibi_slope2,
@@ -374,6 +377,12 @@ def attention_backward_2kernel(
     def launch_dkdv(cfg) -> None:
         if cfg.gluon and hopper_dkdv:
             try:
+                if call.problem.head_dim == 256:  # (the scope: D = Dv = 256, dense calls without modifiers)
+                    attention_dkdv_wide_hopper(
+                        q, k, v, do, lse2, delta, dk, dv, call.scale, call.causal, cfg.block_m, cfg.block_n,
+                        cfg.num_stages,
+                    )  # fmt: skip
+                    return
                 attention_dkdv_hopper(
                     q, k, v, do, lse2, delta, dk, dv, call.scale, call.causal, modifiers,
                     cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
@@ -398,6 +407,12 @@ def attention_backward_2kernel(
     def launch_dq(cfg) -> None:
         if cfg.gluon and hopper_dq:
             try:
+                if call.problem.head_dim == 256:  # (as in launch_dkdv)
+                    attention_dq_wide_hopper(
+                        q, k, v, o, do, lse, lse2, delta, dq, call.scale, call.causal, cfg.block_m, cfg.block_n,
+                        cfg.num_stages,
+                    )  # fmt: skip
+                    return
                 attention_dq_hopper(
                     q, k, v, o, do, lse, lse2, delta, dq, call.scale, call.causal, modifiers,
                     cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,

@@ -689,32 +689,38 @@ _GLUON_SCOPES = {
         plain_head_dims=((256, 256),),
     ),
     # Its windows, soft cap and ALiBi: tests/test_gpu_score_modifiers.py::test_gluon_dkdv_applies_sliding_windows
-    # and ::test_gluon_dkdv_applies_alibi_and_the_soft_cap.
+    # and ::test_gluon_dkdv_applies_alibi_and_the_soft_cap.  D = 256 runs the head-dim-split kernel of
+    # backward_gluon_wide.py, on dense calls without modifiers (tests/test_gpu.py::test_gluon_dkdv_at_head_dim_256).
     KernelVariant.DKDV: GluonScope(
         "backward_gluon.py",
         needs_positive_scale=False,
+        head_dims=((64, 64), (128, 128), (256, 256)),
         extra_tma_operands=("do",),
         window=True,
         softcap=True,
         alibi=True,
         varlen=True,
+        plain_head_dims=((256, 256),),
     ),
     # Its windows, soft cap, ALiBi and packed batches: tests/test_gpu_score_modifiers.py::test_gluon_dq_applies_each_
     # modifier and tests/test_gpu_varlen.py (the gluon configs pinned).
+    # D = 256: the head-dim-split kernel of backward_gluon_wide.py, as for DKDV (test_gluon_dq_at_head_dim_256).
     KernelVariant.DQ: GluonScope(
         "backward_gluon_dq.py",
         needs_positive_scale=False,
+        head_dims=((64, 64), (128, 128), (256, 256)),
         extra_tma_operands=("do", "o"),  # o is read by pointer loads; the check keeps its rows contiguous
         window=True,
         softcap=True,
         alibi=True,
         varlen=True,
+        plain_head_dims=((256, 256),),
     ),
 }
 # The same kernel with dQ added atomically (the five-product backward, in any or a fixed order): dense calls, checked
 # by tests/test_gpu.py::test_five_product_backward_matches_the_oracle and the two tests named above.
 _GLUON_SCOPES[KernelVariant.ATOMIC_PREPROCESS] = _GLUON_SCOPES[KernelVariant.ATOMIC_ORDERED] = replace(
-    _GLUON_SCOPES[KernelVariant.DKDV], varlen=False
+    _GLUON_SCOPES[KernelVariant.DKDV], head_dims=((64, 64), (128, 128)), varlen=False, plain_head_dims=()
 )
 
 

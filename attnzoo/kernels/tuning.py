@@ -534,11 +534,14 @@ HEURISTIC_ORDER: dict[tuple[str, bool], tuple[str, ...]] = {
 # 128x32 w8 s3, took 1.7-2.0x its time); dK/dV 32x128 w8 s3 (within 3% of the best in both masks; 64x32 w8 s2, the tile
 # without spills, took 1.9-2.3x).  ptxas counts spills in most of these tiles (bench/ptx_report.py), but its counts
 # ranked them wrongly.  Where Dv = 256 too, the shared memory drops the first entries; the later ones are ptxas's
-# ranking (fewest spill bytes), not timed.
+# ranking (fewest spill bytes), not timed.  At D = Dv = 256 the Gluon dQ and dK/dV kernels that split the head dim
+# between two warpgroups (backward_gluon_wide.py) won every key of their tuning, the Triton tiles taking 1.63-1.98x
+# (dQ) and 2.56-3.14x (dK/dV) their time (bench/results/h100_d256_wide_{bf16,fp16}.log); elsewhere they are out of
+# the Gluon scope and the Triton entries serve.
 WIDE_HEURISTIC_ORDER: dict[str, tuple[str, ...]] = {
     "forward": ("128x128 w8 s2 gluon", "128x64 w8 s2 gluon", "128x64 w8 s3 tma", "64x32 w4 s2"),
-    "dkdv": ("32x128 w8 s3", "64x32 w8 s2"),
-    "dq": ("64x64 w4 s3 tma", "128x32 w8 s3", "64x32 w4 s2"),
+    "dkdv": ("64x64 w4 s2 gluon", "32x128 w8 s3", "64x32 w8 s2"),
+    "dq": ("64x64 w4 s2 gluon", "64x64 w4 s3 tma", "128x32 w8 s3", "64x32 w4 s2"),
     "atomic": ("128x32 w8 s2",),
 }
 

@@ -1,0 +1,572 @@
+"""The two-kernel backward at head dim 256 for Hopper, in Gluon: its dK/dV and dQ kernels with the head dim split
+between two warpgroups.
+
+At D = 128 one warpgroup holds dK and dV of its 64 keys (64 registers a thread each, ``backward_gluon.py``), or dQ
+of its 64 rows (``backward_gluon_dq.py``).  At D = 256 these accumulators would take 256 and 128 registers a thread
+beside the score tiles, and the Triton tiles that served D = 256 ran the backward at 0.42-0.48x cuDNN's (about 165
+TFLOP/s; the dK/dV kernel took two thirds of the time, docs/design.md).  Here a block of 64 keys (dK/dV) or 64 rows
+(dQ) has two warpgroups, each holding the columns of one half of the head dim (``[64, 128]`` float32 accumulators,
+64 registers a thread each), and the two 64 x 64 products that contract over all 256 columns are divided, not
+duplicated: the *scores* warpgroup computes the scores and P, the *gradients* warpgroup dP and dS, and each hands
+its result to the other through shared memory.  The dK/dV kernel's Q tile ``t``, with ``P = exp2(S * scale *
+log2(e) - lse2)``:
+
+    scores warpgroup (cols 0-127)                     gradients warpgroup (cols 128-255)
+    S^T_t = K Q_t^T                                   dP^T_t = V dO_t^T
+    P^T_t -> shared memory ------ "p ready" ------>   P^T_t from shared memory
+    dV[:, :128] += P^T_t dO_t[:, :128]                dS^T_t = P^T_t (dP^T_t - Delta_t) -> shared memory
+                           <----- "ds ready" ------   dV[:, 128:] += P^T_t dO_t[:, 128:]   (P^T from shared memory)
+    dK[:, :128] += dS^T_t Q_t[:, :128]                dK[:, 128:] += dS^T_t Q_t[:, 128:]    (dS^T from registers)
+
+The dQ kernel's K/V tile ``j`` is the same exchange with rows and keys swapped: ``S_j = Q K_j^T`` and ``P_j`` in the
+scores warpgroup, ``dP_j = dO V_j^T`` and ``dS_j`` in the other, and each adds ``dS_j K_j[:, cols]`` into its half
+of dQ.  So each warpgroup runs half of a tile's products and half of its arithmetic, and one's exponentials run
+while the other's ``dP`` product does.  The P and dS slots are each rewritten once the other warpgroup has
+released them ("p free", "ds free").  dS is taken from P rounded to the input dtype (as the products take it), so
+the bits differ from the Triton kernels'.  A producer warp (``gl.warp_specialize``) loads the resident tiles (K, V
+or Q, dO) once and streams the others through a ring of NUM_STAGES slots, which both warpgroups release.  Shared
+memory: 64 KB resident, two 64 KB slots, 16 KB for the exchange: one CTA per SM.  After the loop the gradients go
+through the shared memory of a resident tile that no product reads any more (each warpgroup its columns) and one
+TMA store each.
+
+Measured on the H100 (bf16/fp16, N = 2k-16k, causal or not, ``bench/results/h100_d256_wide_*.csv``): the backward
+at 314-387 TFLOP/s, 0.99-1.07x cuDNN's; the tuner took these kernels at every D = 256 key, the Triton tiles taking
+1.63-1.98x (dQ) and 2.56-3.14x (dK/dV) their time.
+
+Scope (``KernelVariant.DKDV`` and ``KernelVariant.DQ`` ``gluon_scope``, ``plain_head_dims``): D = Dv = 256, dense
+calls, causal or not, GQA; no score modifiers or packed batches (those run the Triton tiles), and not the
+five-product backward (``triton_atomic`` runs its Triton kernel there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backward_gluon import _load_q_do_tile, _load_row_stat, _visible_t
+from .backward_gluon_dq import _row_stats, _tile_p
+from .common import LOG2E, q_loop_bounds
+from .forward_gluon import KERNEL_WARPS, q_block_tiles
+from .gluon_hopper import (
+    accumulator_layout,
+    cta_barrier,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    ring_load_pair,
+    ring_wait,
+    tile_descriptor,
+    tma,
+    tma_load,
+    tma_store,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+if gluon is not None:
+
+    @gluon.jit
+    def _dkdv_half(
+        smem, bars, scalars, stats, stats_at, PART: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
+        BLOCK_D: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+    ):  # fmt: skip
+        """The loop of one warpgroup (the module docstring's table): PART 0 the scores warpgroup, PART 1 the
+        gradients warpgroup; each accumulates dK and dV of the block's KEYS keys in its half of the head dim's
+        columns, then stores them into K's and V's shared memory tiles (TMA-stored by the scores warpgroup).
+
+        ``smem = (k_smem, v_smem, q_ring, do_ring, pt_smem, ds_smem)``; ``bars = (q_do_bars, q_do_empty, p_ready,
+        p_free, ds_ready, ds_free, loop_done, halves_stored)``; ``scalars = (lo, unmasked_lo, n_iters,
+        tiles_per_head, start_n, diagonal_offset, sm_scale, qk_scale)``; ``stats = (lse2_ptr, delta_ptr)``."""
+        k_smem, v_smem, q_ring, do_ring, pt_smem, ds_smem = smem
+        q_do_bars, q_do_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored = bars
+        lo, unmasked_lo, n_iters, tiles_per_head, start_n, diagonal_offset, sm_scale, qk_scale = scalars
+        lse2_ptr, delta_ptr = stats
+        DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
+        HALF: gl.constexpr = BLOCK_D // 2
+        st_layout: gl.constexpr = accumulator_layout(4, BLOCK_M)
+        dkv_layout: gl.constexpr = accumulator_layout(4, HALF)
+        operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dkv_layout, k_width=2)
+        key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
+        row_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+        k_tile = k_smem.reshape([KEYS, BLOCK_D])
+        v_tile = v_smem.reshape([KEYS, BLOCK_D])
+        keys = start_n + gl.arange(0, KEYS, key_layout)
+        local_rows = gl.arange(0, BLOCK_M, row_layout)
+        dk = gl.zeros([KEYS, HALF], gl.float32, dkv_layout)
+        dv = gl.zeros([KEYS, HALF], gl.float32, dkv_layout)
+        scores = gl.zeros([KEYS, BLOCK_M], gl.float32, st_layout)  # S^T or dP^T (ignored accumulator input)
+
+        for t in range(n_iters):
+            start_m = lo + (t % tiles_per_head) * BLOCK_M
+            rows = start_m + local_rows
+            use = t & 1  # the exchange barriers complete once per tile
+            # This warpgroup's statistic of the tile's rows, loaded before the waits so that they hide its latency.
+            if PART == 0:
+                lse2 = _load_row_stat(lse2_ptr, t, stats_at, float("inf"), row_layout, BLOCK_M, False)
+            else:
+                delta = _load_row_stat(delta_ptr, t, stats_at, 0.0, row_layout, BLOCK_M, False)
+            q_tile = ring_wait(q_do_bars, q_ring, t, BLOCK_M, BLOCK_D, NUM_STAGES)
+            do_tile = do_ring.index(t % NUM_STAGES).reshape([BLOCK_M, BLOCK_D])
+            q_half = q_tile.slice(PART * HALF, HALF, dim=1)
+            do_half = do_tile.slice(PART * HALF, HALF, dim=1)
+            if PART == 0:
+                scores = warpgroup_mma(k_tile, q_tile.permute((1, 0)), scores, use_acc=False, is_async=True)
+                scores = warpgroup_mma_wait(0, deps=(scores,))
+                p_t = gl.exp2(scores * qk_scale - lse2[None, :])
+                if CAUSAL:  # noqa: SIM102 - a compile-time branch around a runtime one
+                    if start_m < unmasked_lo:  # the tiles that the diagonal cuts
+                        visible = _visible_t(keys, rows, diagonal_offset, 0, 0, CAUSAL, False, False)
+                        p_t = gl.where(visible, p_t, 0.0)
+                p_16 = p_t.to(DTYPE)
+                # The gradients warpgroup has read the previous P^T (its dS^T and its dV product are done).
+                mbarrier.wait(p_free, use ^ 1)
+                pt_smem.store(p_16)
+                fence_async_shared()
+                cta_barrier()  # every warp's rows are in before the one arrive
+                mbarrier.arrive(p_ready)
+                p_op = gl.convert_layout(p_16, operand_layout)
+                dv = warpgroup_mma(p_op, do_half, dv, is_async=True)
+                mbarrier.wait(ds_ready, use)
+                dk = warpgroup_mma(ds_smem, q_half, dk, is_async=True)
+                dv, dk, p_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op))
+                mbarrier.arrive(ds_free)  # this tile's dS^T is read: the slot may be rewritten
+            else:
+                scores = warpgroup_mma(v_tile, do_tile.permute((1, 0)), scores, use_acc=False, is_async=True)
+                mbarrier.wait(p_ready, use)
+                p_t = pt_smem.load(st_layout).to(gl.float32)
+                scores = warpgroup_mma_wait(0, deps=(scores,))
+                ds_16 = (p_t * (scores - delta[None, :])).to(DTYPE)
+                mbarrier.wait(ds_free, use ^ 1)  # the scores warpgroup's dK product has read the previous dS^T
+                ds_smem.store(ds_16)
+                fence_async_shared()
+                cta_barrier()
+                mbarrier.arrive(ds_ready)
+                dv = warpgroup_mma(pt_smem, do_half, dv, is_async=True)
+                ds_op = gl.convert_layout(ds_16, operand_layout)
+                dk = warpgroup_mma(ds_op, q_half, dk, is_async=True)
+                dv, dk, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, ds_op))
+                mbarrier.arrive(p_free)
+            # A wgmma is one operation of the whole warpgroup: once complete here, it has read its shared memory for
+            # all four warps, so one arrive per warpgroup releases the Q/dO slot.
+            mbarrier.arrive(q_do_empty.index(t % NUM_STAGES))
+
+        # K is read by the scores warpgroup's products and V by the other's: neither tile is overwritten before both
+        # loops are done.  Each warpgroup then writes its columns of dK and dV; keys that no row sees store zeros.
+        mbarrier.arrive(loop_done)
+        mbarrier.wait(loop_done, 0)
+        k_tile.slice(PART * HALF, HALF, dim=1).store((dk * sm_scale).to(DTYPE))
+        v_tile.slice(PART * HALF, HALF, dim=1).store(dv.to(DTYPE))
+        fence_async_shared()
+        cta_barrier()
+        mbarrier.arrive(halves_stored)
+
+    @gluon.jit
+    def _dkdv_wide_load_tiles(
+        q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_ring, do_ring, kv_bar, q_do_bars, q_do_empty, batch,
+        kv_head, start_n, first_head, lo, tiles_per_head, n_iters, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """The producer warp: K and V of the block, then Q and dO tile ``i`` into slot ``i % NUM_STAGES`` once both
+        warpgroups have released the slot's previous tiles."""
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma_load(k_desc, [batch, kv_head, start_n, 0], kv_bar, k_smem)
+        tma_load(v_desc, [batch, kv_head, start_n, 0], kv_bar, v_smem)
+        for i in range(n_iters):
+            # An mbarrier starts as if its phase "-1" had completed, so the waits of the first round pass at once.
+            mbarrier.wait(q_do_empty.index(i % NUM_STAGES), ((i // NUM_STAGES) & 1) ^ 1)
+            _load_q_do_tile(
+                q_desc, do_desc, q_do_bars, q_ring, do_ring, i, n_iters, tiles_per_head, lo, batch, first_head, 0,
+                BLOCK_M, NUM_STAGES, False,
+            )  # fmt: skip
+
+    @gluon.jit
+    def _dkdv_wide_scores(
+        smem, bars, kv_bar, scalars, stats, stats_at, dk_desc, dv_desc, batch, kv_head,
+        BLOCK_M: gl.constexpr, KEYS: gl.constexpr, BLOCK_D: gl.constexpr, CAUSAL: gl.constexpr,
+        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+    ):  # fmt: skip
+        """The default partition: the scores warpgroup's loop, then the TMA stores of dK and dV once both warpgroups
+        have written their columns."""
+        k_smem, v_smem = smem[0], smem[1]
+        mbarrier.wait(kv_bar, 0)
+        _dkdv_half(smem, bars, scalars, stats, stats_at, 0, BLOCK_M, KEYS, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16)
+        mbarrier.wait(bars[7], 0)  # halves_stored: both warpgroups' columns are in
+        start_n = scalars[4]
+        tma_store(dk_desc, [batch, kv_head, start_n, 0], k_smem)
+        tma_store(dv_desc, [batch, kv_head, start_n, 0], v_smem)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _dkdv_wide_gradients(
+        smem, bars, kv_bar, scalars, stats, stats_at, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
+        BLOCK_D: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+    ):  # fmt: skip
+        """The second warpgroup: the gradients warpgroup's loop."""
+        mbarrier.wait(kv_bar, 0)
+        _dkdv_half(smem, bars, scalars, stats, stats_at, 1, BLOCK_M, KEYS, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16)
+
+    @gluon.jit(do_not_specialize=["num_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "num_n_blocks"])
+    def attention_dkdv_wide_kernel(
+        q_desc,
+        k_desc,
+        v_desc,
+        do_desc,
+        dk_desc,
+        dv_desc,
+        lse2_ptr,
+        delta_ptr,
+        num_heads,
+        num_kv_heads,
+        group_size,
+        seqlen_q,
+        seqlen_k,
+        num_n_blocks,
+        sm_scale,
+        qk_scale,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        BLOCK_D: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        NUM_STAGES: gl.constexpr,
+        IS_FP16: gl.constexpr,
+    ):
+        """dK, dV of one block of BLOCK_N = 64 keys of one (batch, kv head), summed over the ``group_size`` query
+        heads that read the kv head; grid: 1-d, ``num_n_blocks * B * Hkv`` programs, launched with 4 warps (the
+        scores warpgroup) and given the gradients warpgroup and the producer warp by ``gl.warp_specialize``."""
+        gl.static_assert(BLOCK_N == 64 and BLOCK_M == 64, "64 keys a block (one warpgroup's M), 64-row Q tiles")
+        DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
+        pid = gl.program_id(0)
+        bh_kv = pid // num_n_blocks
+        batch = bh_kv // num_kv_heads
+        kv_head = bh_kv % num_kv_heads
+        start_n = (pid % num_n_blocks) * BLOCK_N
+        first_head = kv_head * group_size
+        # The same Q-tile range as the D <= 128 kernel (backward_gluon): [lo, unmasked_lo) takes the causal mask.
+        lo, unmasked_lo, _, hi = q_loop_bounds(
+            start_n, seqlen_q, seqlen_k, start_n + BLOCK_N, 0, 0, CAUSAL, False, False, BLOCK_M, BLOCK_N
+        )  # fmt: skip
+        tiles_per_head = (hi - lo) // BLOCK_M
+        n_iters = tiles_per_head * group_size
+
+        k_smem = gl.allocate_shared_memory(DTYPE, [1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(DTYPE, [1, 1, BLOCK_N, BLOCK_D], v_desc.layout)
+        q_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_M, BLOCK_D], q_desc.layout)
+        do_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_M, BLOCK_D], do_desc.layout)
+        exchange_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], DTYPE)
+        pt_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_N, BLOCK_M], exchange_layout)
+        ds_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_N, BLOCK_M], exchange_layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_do_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        q_do_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        # p_ready, p_free, ds_ready, ds_free (one arrive each completes them), loop_done, halves_stored (two).
+        exchange_bars = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(q_do_bars.index(i), count=1)
+            mbarrier.init(q_do_empty.index(i), count=2)  # one arrive per warpgroup frees a slot
+        for i in gl.static_range(6):
+            mbarrier.init(exchange_bars.index(i), count=1 if i < 4 else 2)
+        fence_async_shared()
+
+        smem = (k_smem, v_smem, q_ring, do_ring, pt_smem, ds_smem)
+        bars = (
+            q_do_bars, q_do_empty, exchange_bars.index(0), exchange_bars.index(1), exchange_bars.index(2),
+            exchange_bars.index(3), exchange_bars.index(4), exchange_bars.index(5),
+        )  # fmt: skip
+        scalars = (lo, unmasked_lo, n_iters, tiles_per_head, start_n, seqlen_k - seqlen_q, sm_scale, qk_scale)
+        stats = (lse2_ptr, delta_ptr)
+        stats_at = (n_iters, lo, tiles_per_head, batch * num_heads + first_head, seqlen_q, 0, seqlen_q)
+        # Constexpr arguments go to the partitions as literals (forward_gluon's note).  The gradients warpgroup and
+        # (by what is left) the scores warpgroup get 240 registers, the producer warp 24.
+        gl.warp_specialize(
+            [
+                (_dkdv_wide_scores, (smem, bars, kv_bar, scalars, stats, stats_at, dk_desc, dv_desc, batch, kv_head,
+                                     BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16)),
+                (_dkdv_wide_gradients, (smem, bars, kv_bar, scalars, stats, stats_at, BLOCK_M, BLOCK_N, BLOCK_D,
+                                        CAUSAL, NUM_STAGES, IS_FP16)),
+                (_dkdv_wide_load_tiles, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_ring, do_ring, kv_bar,
+                                         q_do_bars, q_do_empty, batch, kv_head, start_n, first_head, lo,
+                                         tiles_per_head, n_iters, BLOCK_M, NUM_STAGES)),
+            ],
+            [4, 1],
+            [240, 24],
+        )  # fmt: skip
+
+        mbarrier.invalidate(kv_bar)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(q_do_bars.index(i))
+            mbarrier.invalidate(q_do_empty.index(i))
+        for i in gl.static_range(6):
+            mbarrier.invalidate(exchange_bars.index(i))
+
+    @gluon.jit
+    def _dq_half(
+        smem, bars, scalars, pointers, PART: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+        CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+    ):  # fmt: skip
+        """The dQ kernel's loop of one warpgroup over the K/V tiles of a 64-row Q block, the dK/dV kernel's
+        exchange with the roles of rows and keys swapped: PART 0 computes ``S_j = Q K_j^T`` and ``P_j`` and hands
+        P_j over, PART 1 computes ``dP_j = dO V_j^T`` and ``dS_j`` and hands dS_j over, and each adds ``dS_j
+        K_j[:, cols]`` into its half of dQ's columns; then stores that half, scaled, into Q's shared memory tile
+        (TMA-stored by PART 0).  PART 1 also writes Delta and lse2 for the dK/dV kernel (``_row_stats``).
+
+        ``smem = (q_smem, do_smem, k_ring, v_ring, p_smem, ds_smem)``; ``bars = (q_bar, kv_ready, kv_empty, p_ready,
+        p_free, ds_ready, ds_free, loop_done, halves_stored)``; ``scalars = (start_m, seqlen_q, seqlen_k, first_key,
+        unmasked_tiles, n_tiles, sm_scale, qk_scale)``; ``pointers`` as ``_row_stats`` takes them, and lse."""
+        q_smem, do_smem, k_ring, v_ring, p_smem, ds_smem = smem
+        q_bar, kv_ready, kv_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored = bars
+        start_m, seqlen_q, seqlen_k, first_key, unmasked_tiles, n_tiles, sm_scale, qk_scale = scalars
+        o_rows, stride_o_row, do_rows, stride_do_row, lse_ptr, lse2_ptr, delta_ptr, stats = pointers
+        DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
+        ROWS: gl.constexpr = q_smem.type.shape[2]
+        HALF: gl.constexpr = BLOCK_D // 2
+        s_layout: gl.constexpr = accumulator_layout(4, BLOCK_N)
+        dq_layout: gl.constexpr = accumulator_layout(4, HALF)
+        operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        rows = start_m + gl.arange(0, ROWS, row_layout)
+        local_keys = gl.arange(0, BLOCK_N, key_layout)
+        diagonal_offset = seqlen_k - seqlen_q
+        if PART == 0:  # lse in base 2 (+inf on an empty row: P = 0), as _row_stats stores it
+            lse = gl.load(lse_ptr + stats + rows, mask=rows < seqlen_q, other=float("-inf"))
+            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        else:
+            delta, _ = _row_stats(
+                o_rows, stride_o_row, do_rows, stride_do_row, lse_ptr, lse2_ptr, delta_ptr, stats, start_m, start_m,
+                seqlen_q, ROWS, BLOCK_D, 4,
+            )  # fmt: skip
+            delta = gl.convert_layout(delta, row_layout)
+        mbarrier.wait(q_bar, 0)
+        q_tile = q_smem.reshape([ROWS, BLOCK_D])
+        do_tile = do_smem.reshape([ROWS, BLOCK_D])
+        dq = gl.zeros([ROWS, HALF], gl.float32, dq_layout)
+        scores = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)  # S or dP (ignored accumulator input)
+        no_modifiers = (0, 0, 0.0, 0.0, 0.0)
+
+        for j in range(n_tiles):
+            use = j & 1
+            k_tile = ring_wait(kv_ready, k_ring, j, BLOCK_N, BLOCK_D, NUM_STAGES)
+            v_tile = v_ring.index(j % NUM_STAGES).reshape([BLOCK_N, BLOCK_D])
+            k_half = k_tile.slice(PART * HALF, HALF, dim=1)
+            if PART == 0:
+                scores = warpgroup_mma(q_tile, k_tile.permute((1, 0)), scores, use_acc=False, is_async=True)
+                scores = warpgroup_mma_wait(0, deps=(scores,))
+                # Tiles from unmasked_tiles on are cut by the diagonal or by Nk (q_block_tiles).
+                p, _ = _tile_p(
+                    scores, lse2, rows, first_key + j * BLOCK_N + local_keys, diagonal_offset, seqlen_k, qk_scale,
+                    no_modifiers, local_keys, j >= unmasked_tiles, CAUSAL, False, False, False, False,
+                )  # fmt: skip
+                p_16 = p.to(DTYPE)
+                mbarrier.wait(p_free, use ^ 1)  # the other warpgroup has read the previous P
+                p_smem.store(p_16)
+                fence_async_shared()
+                cta_barrier()
+                mbarrier.arrive(p_ready)
+                mbarrier.wait(ds_ready, use)
+                dq = warpgroup_mma(ds_smem, k_half, dq, is_async=True)
+                dq = warpgroup_mma_wait(0, deps=(dq,))
+                mbarrier.arrive(ds_free)
+            else:
+                scores = warpgroup_mma(do_tile, v_tile.permute((1, 0)), scores, use_acc=False, is_async=True)
+                mbarrier.wait(p_ready, use)
+                p = p_smem.load(s_layout).to(gl.float32)
+                scores = warpgroup_mma_wait(0, deps=(scores,))
+                ds_16 = (p * (scores - delta[:, None])).to(DTYPE)
+                mbarrier.arrive(p_free)  # P is in registers: the slot may be rewritten
+                mbarrier.wait(ds_free, use ^ 1)  # the other warpgroup's product has read the previous dS
+                ds_smem.store(ds_16)
+                fence_async_shared()
+                cta_barrier()
+                mbarrier.arrive(ds_ready)
+                ds_op = gl.convert_layout(ds_16, operand_layout)
+                dq = warpgroup_mma(ds_op, k_half, dq, is_async=True)
+                dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
+            mbarrier.arrive(kv_empty.index(j % NUM_STAGES))  # (one arrive per warpgroup: see _dkdv_half)
+
+        # Q is read by PART 0's products only; once both loops are done each warpgroup writes its dQ columns there.
+        mbarrier.arrive(loop_done)
+        mbarrier.wait(loop_done, 0)
+        q_tile.slice(PART * HALF, HALF, dim=1).store((dq * sm_scale).to(DTYPE))
+        fence_async_shared()
+        cta_barrier()
+        mbarrier.arrive(halves_stored)
+
+    @gluon.jit
+    def _dq_wide_load_tiles(
+        q_desc, do_desc, k_desc, v_desc, smem, q_bar, kv_ready, kv_empty, batch, head, kv_head, start_m, first_key,
+        n_tiles, NUM_STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """The dQ kernel's producer warp: Q and dO of the block, then K and V tile ``j`` into slot ``j %
+        NUM_STAGES`` once both warpgroups have released the slot's previous tiles."""
+        q_smem, do_smem, k_ring, v_ring = smem[0], smem[1], smem[2], smem[3]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma_load(q_desc, [batch, head, start_m, 0], q_bar, q_smem)
+        tma_load(do_desc, [batch, head, start_m, 0], q_bar, do_smem)
+        for j in range(n_tiles):
+            mbarrier.wait(kv_empty.index(j % NUM_STAGES), ((j // NUM_STAGES) & 1) ^ 1)
+            ring_load_pair(
+                k_desc, v_desc, kv_ready, k_ring, v_ring, j, batch, kv_head, first_key + j * BLOCK_N, True, NUM_STAGES
+            )  # fmt: skip
+
+    @gluon.jit
+    def _dq_wide_scores(
+        smem, bars, scalars, pointers, dq_desc, batch, head, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+        CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+    ):  # fmt: skip
+        """The dQ kernel's default partition: the scores warpgroup's loop, then the TMA store of dQ."""
+        _dq_half(smem, bars, scalars, pointers, 0, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16)
+        mbarrier.wait(bars[8], 0)  # halves_stored
+        tma_store(dq_desc, [batch, head, scalars[0], 0], smem[0])
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _dq_wide_gradients(
+        smem, bars, scalars, pointers, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, CAUSAL: gl.constexpr,
+        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+    ):  # fmt: skip
+        _dq_half(smem, bars, scalars, pointers, 1, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16)
+
+    @gluon.jit(do_not_specialize=["num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks"])
+    def attention_dq_wide_kernel(
+        q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, lse2_ptr, delta_ptr,
+        o_ptr, stride_ob, stride_oh, stride_om, do_ptr, stride_dob, stride_doh, stride_dom,
+        num_heads, group_size, seqlen_q, seqlen_k, num_m_blocks, sm_scale, qk_scale,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, CAUSAL: gl.constexpr,
+        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+    ):  # fmt: skip
+        """dQ (and Delta, lse2) of one block of BLOCK_M = 64 rows of one (batch, head); grid: 1-d, ``num_m_blocks *
+        B * H`` programs in ``q_block_tiles``' order, launched with 4 warps (the scores warpgroup) and given the
+        gradients warpgroup and the producer warp by ``gl.warp_specialize``.  o and do are also read through their
+        pointers and strides (Delta), lse (read), lse2 and Delta (written) are ``[B, H, Nq]`` float32 contiguous."""
+        gl.static_assert(BLOCK_N == 64 and BLOCK_M == 64, "64-row Q blocks (one warpgroup's M), 64-key tiles")
+        DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
+        problem = (num_m_blocks, num_heads, group_size, seqlen_q, seqlen_k, 0, 0, lse_ptr, 0, 0,
+                   (lse_ptr, lse_ptr, 0, 0), (seqlen_q, o_ptr, 0))  # fmt: skip
+        (bh, batch, head, kv_head, start_m, first_key, _, unmasked_tiles, n_tiles, _, _, _, _) = q_block_tiles(
+            gl.program_id(0), problem, BLOCK_M, BLOCK_N, CAUSAL, False, False, False, False
+        )  # fmt: skip
+        stats = bh.to(gl.int64) * seqlen_q
+        o_rows = o_ptr + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
+        do_rows = do_ptr + batch.to(gl.int64) * stride_dob + head.to(gl.int64) * stride_doh
+
+        q_smem = gl.allocate_shared_memory(DTYPE, [1, 1, BLOCK_M, BLOCK_D], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(DTYPE, [1, 1, BLOCK_M, BLOCK_D], do_desc.layout)
+        k_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
+        v_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], v_desc.layout)
+        exchange_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], DTYPE)
+        p_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_M, BLOCK_N], exchange_layout)
+        ds_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_M, BLOCK_N], exchange_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        exchange_bars = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(kv_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)
+        for i in gl.static_range(6):
+            mbarrier.init(exchange_bars.index(i), count=1 if i < 4 else 2)
+        fence_async_shared()
+
+        smem = (q_smem, do_smem, k_ring, v_ring, p_smem, ds_smem)
+        bars = (
+            q_bar, kv_ready, kv_empty, exchange_bars.index(0), exchange_bars.index(1), exchange_bars.index(2),
+            exchange_bars.index(3), exchange_bars.index(4), exchange_bars.index(5),
+        )  # fmt: skip
+        scalars = (start_m, seqlen_q, seqlen_k, first_key, unmasked_tiles, n_tiles, sm_scale, qk_scale)
+        pointers = (o_rows, stride_om, do_rows, stride_dom, lse_ptr, lse2_ptr, delta_ptr, stats)
+        gl.warp_specialize(
+            [
+                (_dq_wide_scores, (smem, bars, scalars, pointers, dq_desc, batch, head, BLOCK_N, BLOCK_D, CAUSAL,
+                                   NUM_STAGES, IS_FP16)),
+                (_dq_wide_gradients, (smem, bars, scalars, pointers, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16)),
+                (_dq_wide_load_tiles, (q_desc, do_desc, k_desc, v_desc, smem, q_bar, kv_ready, kv_empty, batch, head,
+                                       kv_head, start_m, first_key, n_tiles, NUM_STAGES)),
+            ],
+            [4, 1],
+            [240, 24],
+        )  # fmt: skip
+
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(kv_ready.index(i))
+            mbarrier.invalidate(kv_empty.index(i))
+        for i in gl.static_range(6):
+            mbarrier.invalidate(exchange_bars.index(i))
+
+
+def attention_dkdv_wide_hopper(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse2: torch.Tensor,
+    delta: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    scale: float,
+    causal: bool,
+    block_m: int = 64,
+    block_n: int = 64,
+    num_stages: int = 2,
+) -> None:
+    """Write ``dk``, ``dv`` ``[B, Hkv, Nk, 256]`` (contiguous, dtype of q; summed over each head group).
+
+    ``q``, ``do`` ``[B, H, Nq, 256]``, ``k``/``v`` ``[B, Hkv, Nk, 256]`` in the scope that
+    ``KernelVariant.DKDV.gluon_scope`` checks (D = Dv = 256, dense, no score modifiers); ``lse2`` and ``delta``
+    ``[B, H, Nq]`` float32 contiguous, as the dQ kernel writes them."""
+    B, H, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    if D != 256 or v.shape[-1] != 256:
+        raise ValueError(f"the wide dK/dV kernel takes D = Dv = 256, not D = {D}, Dv = {v.shape[-1]}")
+    if (block_m, block_n) != (64, 64):
+        raise ValueError(f"block_m={block_m}, block_n={block_n}: the wide dK/dV kernel runs 64 x 64 tiles")
+    num_n_blocks = -(-Nk // block_n)
+    attention_dkdv_wide_kernel[(num_n_blocks * B * Hkv,)](
+        tile_descriptor(q, block_m), tile_descriptor(k, block_n), tile_descriptor(v, block_n),
+        tile_descriptor(do, block_m), tile_descriptor(dk, block_n), tile_descriptor(dv, block_n), lse2, delta,
+        H, Hkv, H // Hkv, Nq, Nk, num_n_blocks, scale, scale * LOG2E,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=D, CAUSAL=causal, NUM_STAGES=num_stages,
+        IS_FP16=q.dtype == torch.float16, num_warps=KERNEL_WARPS,
+    )  # fmt: skip
+
+
+def attention_dq_wide_hopper(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    lse2: torch.Tensor,
+    delta: torch.Tensor,
+    dq: torch.Tensor,
+    scale: float,
+    causal: bool,
+    block_m: int = 64,
+    block_n: int = 64,
+    num_stages: int = 2,
+) -> None:
+    """Write ``dq`` ``[B, H, Nq, 256]`` (contiguous, dtype of q), and ``lse2`` (lse * log2(e), +inf on empty rows)
+    and ``delta`` (rowsum(dO * O)) ``[B, H, Nq]`` float32 contiguous for the dK/dV kernel.
+
+    ``q``, ``o``, ``do`` ``[B, H, Nq, 256]``, ``k``/``v`` ``[B, Hkv, Nk, 256]``, ``lse`` ``[B, H, Nq]`` (natural log,
+    contiguous) in the scope that ``KernelVariant.DQ.gluon_scope`` checks (D = Dv = 256, dense, no modifiers)."""
+    B, H, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    if D != 256 or v.shape[-1] != 256:
+        raise ValueError(f"the wide dQ kernel takes D = Dv = 256, not D = {D}, Dv = {v.shape[-1]}")
+    if (block_m, block_n) != (64, 64):
+        raise ValueError(f"block_m={block_m}, block_n={block_n}: the wide dQ kernel runs 64 x 64 tiles")
+    if o.stride(-1) != 1 or do.stride(-1) != 1:
+        raise ValueError("o and do must have contiguous rows (last stride 1)")
+    num_m_blocks = -(-Nq // block_m)
+    attention_dq_wide_kernel[(num_m_blocks * B * H,)](
+        tile_descriptor(q, block_m), tile_descriptor(k, block_n), tile_descriptor(v, block_n),
+        tile_descriptor(do, block_m), tile_descriptor(dq, block_m), lse, lse2, delta,
+        o, *o.stride()[:3], do, *do.stride()[:3],
+        H, H // Hkv, Nq, Nk, num_m_blocks, scale, scale * LOG2E,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=D, CAUSAL=causal, NUM_STAGES=num_stages,
+        IS_FP16=q.dtype == torch.float16, num_warps=KERNEL_WARPS,
+    )  # fmt: skip
