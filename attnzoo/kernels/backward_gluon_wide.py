@@ -42,10 +42,8 @@ from __future__ import annotations
 
 import torch
 
-from .backward_gluon import _load_q_do_tile, _load_row_stat, _visible_t
-from .backward_gluon_dq import _row_stats, _tile_p
 from .common import LOG2E, q_loop_bounds
-from .forward_gluon import KERNEL_WARPS, q_block_tiles
+from .forward_gluon import KERNEL_WARPS
 from .gluon_hopper import (
     accumulator_layout,
     cta_barrier,
@@ -64,6 +62,10 @@ from .gluon_hopper import (
 )
 
 if gluon is not None:
+    # The other Gluon kernels' helpers (defined only where Gluon is).
+    from .backward_gluon import _load_q_do_tile, _load_row_stat, _visible_t
+    from .backward_gluon_dq import _row_stats, _tile_p
+    from .forward_gluon import q_block_tiles
 
     @gluon.jit
     def _dkdv_half(
