@@ -162,12 +162,14 @@ def test_gluon_hopper_forward_against_oracle(cfg):
         _report(f"[gluon] {cfg} {str(dtype)[6:]} N={Nq}x{Nk} D={D} causal={causal} {layout}: {' '.join(errors)}")
 
 
-# (dtype, B, H, Hkv, Nq, Nk, causal): Q and K/V tails, one query row, GQA, Nq != Nk, a key-padded tail.
+# (dtype, B, H, Hkv, Nq, Nk, causal): Q and K/V tails, one query row, GQA, Nq != Nk, a key-padded tail, and causal
+# with Nq > Nk (rows that see no key: lse = -inf; whole Q blocks of them).
 HEAD_DIM_256_CASES = [
     (torch.bfloat16, 2, 4, 2, 1000, 1000, False),
     (torch.float16, 1, 4, 1, 777, 1500, True),
     (torch.bfloat16, 2, 2, 2, 129, 77, False),
     (torch.float16, 1, 2, 2, 1, 300, True),
+    (torch.bfloat16, 1, 4, 2, 300, 100, True),
 ]
 
 

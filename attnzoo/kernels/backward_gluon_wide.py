@@ -34,8 +34,8 @@ at 314-387 TFLOP/s, 0.99-1.07x cuDNN's; the tuner took these kernels at every D 
 1.63-1.98x (dQ) and 2.56-3.14x (dK/dV) their time.
 
 Scope (``KernelVariant.DKDV`` and ``KernelVariant.DQ`` ``gluon_scope``, ``plain_head_dims``): D = Dv = 256, dense
-calls, causal or not, GQA; no score modifiers or packed batches (those run the Triton tiles), and not the
-five-product backward (``triton_atomic`` runs its Triton kernel there).
+calls, causal or not, GQA; no score modifiers or packed batches (those run the Triton tiles).  The five-product
+backward has no D = 256 block: ``triton_atomic`` runs its Triton kernel there (and, deterministic, this backward).
 """
 
 from __future__ import annotations
@@ -66,6 +66,55 @@ if gluon is not None:
     from .backward_gluon import _load_q_do_tile, _load_row_stat, _visible_t
     from .backward_gluon_dq import _row_stats, _tile_p
     from .forward_gluon import q_block_tiles
+
+    @gluon.jit
+    def _wide_buffers(
+        resident_desc, resident_desc2, ring_desc, ring_desc2, NUM_STAGES: gl.constexpr, DTYPE: gl.constexpr
+    ):  # fmt: skip
+        """Both kernels' shared memory: two resident tiles (K and V, or Q and dO) with the mbarrier their loads
+        complete; two rings of NUM_STAGES tiles (Q and dO, or K and V) with each slot's "ready" mbarrier and its
+        "empty" one, which an arrive of each warpgroup completes; and what the warpgroups exchange a tile through,
+        a P slot and a dS slot ``[rows of the resident tiles, rows of the ring's]`` with six mbarriers: p_ready,
+        p_free, ds_ready, ds_free (one arrive completes them), loop_done, halves_stored (one from each warpgroup).
+        -> ``(smem, resident_bar, ring_ready, ring_empty, exchange_bars, exchange)``: ``smem = (resident,
+        resident2, ring, ring2, p_smem, ds_smem)``, ``exchange`` the six mbarriers (``_invalidate_wide`` takes the
+        arrays)."""
+        ROWS: gl.constexpr = resident_desc.block_type.shape[2]
+        COLS: gl.constexpr = ring_desc.block_type.shape[2]
+        resident = gl.allocate_shared_memory(DTYPE, resident_desc.block_type.shape, resident_desc.layout)
+        resident2 = gl.allocate_shared_memory(DTYPE, resident_desc2.block_type.shape, resident_desc2.layout)
+        BLOCK_D: gl.constexpr = ring_desc.block_type.shape[3]
+        ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, COLS, BLOCK_D], ring_desc.layout)
+        ring2 = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, COLS, BLOCK_D], ring_desc2.layout)
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, COLS], DTYPE)
+        p_smem = gl.allocate_shared_memory(DTYPE, [ROWS, COLS], layout)
+        ds_smem = gl.allocate_shared_memory(DTYPE, [ROWS, COLS], layout)
+        resident_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ring_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        ring_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        exchange_bars = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(resident_bar, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(ring_ready.index(i), count=1)
+            mbarrier.init(ring_empty.index(i), count=2)
+        for i in gl.static_range(6):
+            mbarrier.init(exchange_bars.index(i), count=1 if i < 4 else 2)
+        fence_async_shared()
+        exchange = (
+            exchange_bars.index(0), exchange_bars.index(1), exchange_bars.index(2), exchange_bars.index(3),
+            exchange_bars.index(4), exchange_bars.index(5),
+        )  # fmt: skip
+        smem = (resident, resident2, ring, ring2, p_smem, ds_smem)
+        return smem, resident_bar, ring_ready, ring_empty, exchange_bars, exchange
+
+    @gluon.jit
+    def _invalidate_wide(resident_bar, ring_ready, ring_empty, exchange_bars, NUM_STAGES: gl.constexpr):
+        mbarrier.invalidate(resident_bar)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(ring_ready.index(i))
+            mbarrier.invalidate(ring_empty.index(i))
+        for i in gl.static_range(6):
+            mbarrier.invalidate(exchange_bars.index(i))
 
     @gluon.jit
     def _dkdv_half(
@@ -249,31 +298,13 @@ if gluon is not None:
         tiles_per_head = (hi - lo) // BLOCK_M
         n_iters = tiles_per_head * group_size
 
-        k_smem = gl.allocate_shared_memory(DTYPE, [1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(DTYPE, [1, 1, BLOCK_N, BLOCK_D], v_desc.layout)
-        q_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_M, BLOCK_D], q_desc.layout)
-        do_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_M, BLOCK_D], do_desc.layout)
-        exchange_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], DTYPE)
-        pt_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_N, BLOCK_M], exchange_layout)
-        ds_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_N, BLOCK_M], exchange_layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_do_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        q_do_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        # p_ready, p_free, ds_ready, ds_free (one arrive each completes them), loop_done, halves_stored (two).
-        exchange_bars = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.init(q_do_bars.index(i), count=1)
-            mbarrier.init(q_do_empty.index(i), count=2)  # one arrive per warpgroup frees a slot
-        for i in gl.static_range(6):
-            mbarrier.init(exchange_bars.index(i), count=1 if i < 4 else 2)
-        fence_async_shared()
-
-        smem = (k_smem, v_smem, q_ring, do_ring, pt_smem, ds_smem)
-        bars = (
-            q_do_bars, q_do_empty, exchange_bars.index(0), exchange_bars.index(1), exchange_bars.index(2),
-            exchange_bars.index(3), exchange_bars.index(4), exchange_bars.index(5),
+        # P^T and dS^T are exchanged, keys along the rows.
+        smem, kv_bar, q_do_bars, q_do_empty, exchange_bars, exchange = _wide_buffers(
+            k_desc, v_desc, q_desc, do_desc, NUM_STAGES, DTYPE
         )  # fmt: skip
+        k_smem, v_smem, q_ring, do_ring = smem[0], smem[1], smem[2], smem[3]
+        p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored = exchange
+        bars = (q_do_bars, q_do_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored)
         scalars = (lo, unmasked_lo, n_iters, tiles_per_head, start_n, seqlen_k - seqlen_q, sm_scale, qk_scale)
         stats = (lse2_ptr, delta_ptr)
         stats_at = (n_iters, lo, tiles_per_head, batch * num_heads + first_head, seqlen_q, 0, seqlen_q)
@@ -293,12 +324,7 @@ if gluon is not None:
             [240, 24],
         )  # fmt: skip
 
-        mbarrier.invalidate(kv_bar)
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.invalidate(q_do_bars.index(i))
-            mbarrier.invalidate(q_do_empty.index(i))
-        for i in gl.static_range(6):
-            mbarrier.invalidate(exchange_bars.index(i))
+        _invalidate_wide(kv_bar, q_do_bars, q_do_empty, exchange_bars, NUM_STAGES)
 
     @gluon.jit
     def _dq_half(
@@ -374,11 +400,13 @@ if gluon is not None:
                 p = p_smem.load(s_layout).to(gl.float32)
                 scores = warpgroup_mma_wait(0, deps=(scores,))
                 ds_16 = (p * (scores - delta[:, None])).to(DTYPE)
-                mbarrier.arrive(p_free)  # P is in registers: the slot may be rewritten
                 mbarrier.wait(ds_free, use ^ 1)  # the other warpgroup's product has read the previous dS
                 ds_smem.store(ds_16)
                 fence_async_shared()
+                # Every warp has read P (its loads come before its dS stores): one arrive frees the P slot, and one
+                # hands dS over.  (An arrive is one thread's, so not before this barrier.)
                 cta_barrier()
+                mbarrier.arrive(p_free)
                 mbarrier.arrive(ds_ready)
                 ds_op = gl.convert_layout(ds_16, operand_layout)
                 dq = warpgroup_mma(ds_op, k_half, dq, is_async=True)
@@ -452,30 +480,11 @@ if gluon is not None:
         o_rows = o_ptr + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
         do_rows = do_ptr + batch.to(gl.int64) * stride_dob + head.to(gl.int64) * stride_doh
 
-        q_smem = gl.allocate_shared_memory(DTYPE, [1, 1, BLOCK_M, BLOCK_D], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(DTYPE, [1, 1, BLOCK_M, BLOCK_D], do_desc.layout)
-        k_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
-        v_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], v_desc.layout)
-        exchange_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], DTYPE)
-        p_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_M, BLOCK_N], exchange_layout)
-        ds_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_M, BLOCK_N], exchange_layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        exchange_bars = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.init(kv_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=2)
-        for i in gl.static_range(6):
-            mbarrier.init(exchange_bars.index(i), count=1 if i < 4 else 2)
-        fence_async_shared()
-
-        smem = (q_smem, do_smem, k_ring, v_ring, p_smem, ds_smem)
-        bars = (
-            q_bar, kv_ready, kv_empty, exchange_bars.index(0), exchange_bars.index(1), exchange_bars.index(2),
-            exchange_bars.index(3), exchange_bars.index(4), exchange_bars.index(5),
+        smem, q_bar, kv_ready, kv_empty, exchange_bars, exchange = _wide_buffers(
+            q_desc, do_desc, k_desc, v_desc, NUM_STAGES, DTYPE
         )  # fmt: skip
+        p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored = exchange
+        bars = (q_bar, kv_ready, kv_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored)
         scalars = (start_m, seqlen_q, seqlen_k, first_key, unmasked_tiles, n_tiles, sm_scale, qk_scale)
         pointers = (o_rows, stride_om, do_rows, stride_dom, lse_ptr, lse2_ptr, delta_ptr, stats)
         gl.warp_specialize(
@@ -490,12 +499,21 @@ if gluon is not None:
             [240, 24],
         )  # fmt: skip
 
-        mbarrier.invalidate(q_bar)
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.invalidate(kv_ready.index(i))
-            mbarrier.invalidate(kv_empty.index(i))
-        for i in gl.static_range(6):
-            mbarrier.invalidate(exchange_bars.index(i))
+        _invalidate_wide(q_bar, kv_ready, kv_empty, exchange_bars, NUM_STAGES)
+
+
+def _check_wide_call(
+    q: torch.Tensor, v: torch.Tensor, block_m: int, block_n: int, num_stages: int, kernel: str
+) -> None:  # fmt: skip
+    """ValueError unless D = Dv = 256 and the tiles are 64 x 64 in two ring slots (what both kernels are built for:
+    a third 64 KB slot would not fit the shared memory)."""
+    if q.shape[-1] != 256 or v.shape[-1] != 256:
+        raise ValueError(f"the wide {kernel} kernel takes D = Dv = 256, not D = {q.shape[-1]}, Dv = {v.shape[-1]}")
+    if (block_m, block_n, num_stages) != (64, 64, 2):
+        raise ValueError(
+            f"block_m={block_m}, block_n={block_n}, num_stages={num_stages}: the wide {kernel} kernel runs 64 x 64 "
+            "tiles with two ring slots"
+        )
 
 
 def attention_dkdv_wide_hopper(
@@ -520,10 +538,7 @@ def attention_dkdv_wide_hopper(
     ``[B, H, Nq]`` float32 contiguous, as the dQ kernel writes them."""
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    if D != 256 or v.shape[-1] != 256:
-        raise ValueError(f"the wide dK/dV kernel takes D = Dv = 256, not D = {D}, Dv = {v.shape[-1]}")
-    if (block_m, block_n) != (64, 64):
-        raise ValueError(f"block_m={block_m}, block_n={block_n}: the wide dK/dV kernel runs 64 x 64 tiles")
+    _check_wide_call(q, v, block_m, block_n, num_stages, "dK/dV")
     num_n_blocks = -(-Nk // block_n)
     attention_dkdv_wide_kernel[(num_n_blocks * B * Hkv,)](
         tile_descriptor(q, block_m), tile_descriptor(k, block_n), tile_descriptor(v, block_n),
@@ -557,10 +572,7 @@ def attention_dq_wide_hopper(
     contiguous) in the scope that ``KernelVariant.DQ.gluon_scope`` checks (D = Dv = 256, dense, no modifiers)."""
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    if D != 256 or v.shape[-1] != 256:
-        raise ValueError(f"the wide dQ kernel takes D = Dv = 256, not D = {D}, Dv = {v.shape[-1]}")
-    if (block_m, block_n) != (64, 64):
-        raise ValueError(f"block_m={block_m}, block_n={block_n}: the wide dQ kernel runs 64 x 64 tiles")
+    _check_wide_call(q, v, block_m, block_n, num_stages, "dQ")
     if o.stride(-1) != 1 or do.stride(-1) != 1:
         raise ValueError("o and do must have contiguous rows (last stride 1)")
     num_m_blocks = -(-Nq // block_m)
