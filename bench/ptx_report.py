@@ -129,11 +129,13 @@ def gluon_source(
         dq_writer,
     )
     from attnzoo.kernels.backward_gluon_dq import attention_dq_hopper_kernel
-    from attnzoo.kernels.backward_gluon_wide import attention_dkdv_wide_kernel
+    from attnzoo.kernels.backward_gluon_wide import attention_dkdv_wide_kernel, attention_dq_wide_kernel
     from attnzoo.kernels.forward_gluon import KERNEL_WARPS, attention_forward_hopper_kernel
 
     if kernel_name == "forward":
         kernel, q_rows, num_warps = attention_forward_hopper_kernel, 64, KERNEL_WARPS
+    elif kernel_name == "dq" and d == 256:  # the head-dim-split kernel (backward_gluon_wide)
+        kernel, q_rows, num_warps = attention_dq_wide_kernel, 64, KERNEL_WARPS
     elif kernel_name == "dq":
         kernel, q_rows, num_warps = attention_dq_hopper_kernel, 64, KERNEL_WARPS
     elif d == 256:  # the head-dim-split kernel (backward_gluon_wide), launched with one warpgroup

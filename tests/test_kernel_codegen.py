@@ -206,3 +206,38 @@ def test_the_warp_specialised_forward_holds_a_256_column_o_above_the_launch_regi
         launch, counts, used = int(found.group(1)), {int(n) for n in found.group(2).split("/")}, int(found.group(3))
         assert launch == 168 and {24, 232, 248} <= counts and launch < used <= 232, line
         assert re.search(r"spill 0/0 B", line), line
+
+
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+def test_the_d256_backward_kernels_hold_half_the_head_dim_per_warpgroup(kernel):
+    """The D = 256 dQ and dK/dV kernels (``backward_gluon_wide.py``) split the head dim between two warpgroups,
+    which ``setmaxnreg`` raises to 240 registers above the 168 of the launch: full and causal builds compile, their
+    products unserialised (``_ptx_report``), the dK/dV kernel without spills and the dQ kernel with a few words
+    (112-116 B in Triton 3.9's ptxas)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    for causal in ((), ("--causal",)):
+        (line,) = _ptx_report("--kernel", kernel, "--d", "256", "--config", "64,64,4,2,gluon", *causal)
+        found = re.search(r"(\d+) registers \(setmaxnreg ([\d/]+); (\d+) used in the code\)", line)
+        assert found, line
+        launch, counts, used = int(found.group(1)), {int(n) for n in found.group(2).split("/")}, int(found.group(3))
+        assert launch == 168 and {24, 240} <= counts and launch < used <= 240, line
+        spills = re.search(r"spill (\d+)/(\d+) B", line)
+        limit = 0 if kernel == "dkdv" else 128
+        assert spills and int(spills.group(1)) <= limit and int(spills.group(2)) <= limit, line
+
+
+def test_the_d256_backward_kernels_take_their_one_tile_shape():
+    """The D = 256 kernels are built for D = Dv = 256 in 64 x 64 tiles and two ring slots (a third 64 KB slot would not
+    fit the shared memory): their launchers refuse anything else before anything runs."""
+    import torch
+
+    from attnzoo.kernels.backward_gluon_wide import attention_dkdv_wide_hopper, attention_dq_wide_hopper
+
+    x, stats = torch.randn(1, 1, 64, 256), torch.randn(1, 1, 64)
+    with pytest.raises(ValueError, match="num_stages=3"):
+        attention_dkdv_wide_hopper(x, x, x, x, stats, stats, x, x, 0.1, False, num_stages=3)
+    with pytest.raises(ValueError, match="block_n=128"):
+        attention_dq_wide_hopper(x, x, x, x, x, stats, stats, stats, x, 0.1, False, block_n=128)
+    narrow = torch.randn(1, 1, 64, 128)
+    with pytest.raises(ValueError, match="D = 128, Dv = 128"):
+        attention_dq_wide_hopper(narrow, narrow, narrow, narrow, narrow, stats, stats, stats, narrow, 0.1, False)
