@@ -129,16 +129,20 @@ def gluon_source(
         dq_writer,
     )
     from attnzoo.kernels.backward_gluon_dq import attention_dq_hopper_kernel
-    from attnzoo.kernels.backward_gluon_wide import attention_dkdv_wide_kernel, attention_dq_wide_kernel
+    from attnzoo.kernels.backward_gluon_wide import (
+        attention_dkdv_wide_kernel,
+        attention_dq_wide_kernel,
+        wide_head_dim_parts,
+    )
     from attnzoo.kernels.forward_gluon import KERNEL_WARPS, attention_forward_hopper_kernel
 
     if kernel_name == "forward":
         kernel, q_rows, num_warps = attention_forward_hopper_kernel, 64, KERNEL_WARPS
-    elif kernel_name == "dq" and d == 256:  # the head-dim-split kernel (backward_gluon_wide)
+    elif kernel_name == "dq" and d > 128:  # the head-dim-split kernel (backward_gluon_wide)
         kernel, q_rows, num_warps = attention_dq_wide_kernel, 64, KERNEL_WARPS
     elif kernel_name == "dq":
         kernel, q_rows, num_warps = attention_dq_hopper_kernel, 64, KERNEL_WARPS
-    elif d == 256:  # the head-dim-split kernel (backward_gluon_wide), launched with one warpgroup
+    elif d > 128:  # the head-dim-split kernel (backward_gluon_wide), launched with one warpgroup
         kernel, q_rows, num_warps = attention_dkdv_wide_kernel, cfg.block_m, KERNEL_WARPS
     else:
         kernel, q_rows, num_warps = attention_dkdv_hopper_kernel, cfg.block_m, cfg.num_warps
@@ -149,7 +153,8 @@ def gluon_source(
     from attnzoo.kernels.gluon_hopper import dq_stage_slots, head_dim_parts
 
     dv = d if dv is None else dv
-    d_first, d_second = head_dim_parts(d) if kernel_name == "forward" else (d, 0)
+    wide = kernel_name != "forward" and d > 128  # q, k and their gradients in two parts of 128 + (D - 128)
+    d_first, d_second = head_dim_parts(d) if kernel_name == "forward" else wide_head_dim_parts(d) if wide else (d, 0)
 
     fp8 = dtype == "fp8"
     # The five-product block's dQ writer warps, as attention_dkdv_hopper launches them.
@@ -178,9 +183,11 @@ def gluon_source(
             layout = gl.NVMMASharedLayout.get_default_for(box, gl.float32)
             signature[name] = f"tensordesc<fp32[{', '.join(map(str, box))}],{layout!r}>"
         elif name.endswith("_desc"):
-            rows = q_rows if name in ("q_desc", "q2_desc", "o_desc", "do_desc", "dq_desc") else cfg.block_n
+            rows = q_rows if name in ("q_desc", "q2_desc", "o_desc", "do_desc", "dq_desc", "dq2_desc") else cfg.block_n
             rows = 64 if warp_specialized and name in ("k_desc", "v_desc", "dk_desc", "dv_desc") else rows
-            width = {"v_desc": dv, "o_desc": dv, "q2_desc": d_second or d_first, "k2_desc": d_second or d_first}
+            second = d_second or d_first
+            width = {"v_desc": dv, "o_desc": dv, "do_desc": dv, "dv_desc": dv, "q2_desc": second, "k2_desc": second,
+                     "dk2_desc": second, "dq2_desc": second}  # fmt: skip
             if fp8 and name == "v_desc":  # v keys-contiguous: Dv rows of BLOCK_N keys
                 signature[name] = descriptor(dv, cfg.block_n, name)
             else:
@@ -200,8 +207,8 @@ def report(
 ) -> dict:  # fmt: skip
     """Registers, shared memory, spill bytes, global store / reduction widths and the wgmma waits of one compiled
     config."""
-    if dv not in (None, d) and not (cfg.gluon and kernel_name == "forward"):
-        raise SystemExit("--dv: the Gluon forward only (the other kernels' reports take Dv = D)")
+    if dv not in (None, d) and not (cfg.gluon and (kernel_name == "forward" or d > 128)):
+        raise SystemExit("--dv: the Gluon forward and the D > 128 backward only (the others' reports take Dv = D)")
     if cfg.gluon:
         if gluon_unavailable_reason():
             raise SystemExit(gluon_unavailable_reason())
@@ -271,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         "--config",
         help="BLOCK_M,BLOCK_N,warps,stages[,tma|,gluon], several separated by ';' (default: every candidate)",
     )
-    parser.add_argument("--dv", type=int, help="the Gluon forward's value head dim (default: D)")
+    parser.add_argument(
+        "--dv", type=int, help="the value head dim of the Gluon forward and the D > 128 backward kernels (default: D)"
+    )
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--q-tail", action="store_true", help="dkdv: Nq not a multiple of BLOCK_M")
     parser.add_argument(

@@ -208,27 +208,34 @@ def test_the_warp_specialised_forward_holds_a_256_column_o_above_the_launch_regi
         assert re.search(r"spill 0/0 B", line), line
 
 
+@pytest.mark.parametrize("dims", [(256, 256), (192, 128)], ids=lambda dims: f"D{dims[0]}-Dv{dims[1]}")
 @pytest.mark.parametrize("kernel", ["dkdv", "dq"])
-def test_the_d256_backward_kernels_hold_half_the_head_dim_per_warpgroup(kernel):
-    """The D = 256 dQ and dK/dV kernels (``backward_gluon_wide.py``) split the head dim between two warpgroups,
-    which ``setmaxnreg`` raises to 240 registers above the 168 of the launch: full and causal builds compile, their
-    products unserialised (``_ptx_report``), the dK/dV kernel without spills and the dQ kernel with a few words
-    (112-116 B in Triton 3.9's ptxas)."""
+def test_the_wide_backward_kernels_split_the_head_dim_between_warpgroups(kernel, dims):
+    """The dQ and dK/dV kernels above D = 128 (``backward_gluon_wide.py``: D = Dv = 256, and D = 192 with Dv = 128)
+    split the head dim between two warpgroups, which ``setmaxnreg`` raises to 240 registers above the 168 of the
+    launch (the D = 192 dQ kernel's code uses fewer): full and causal builds compile, their products unserialised
+    (``_ptx_report``), without spills but for a few words of the D = 256 dQ kernel (112-116 B in Triton 3.9's
+    ptxas)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    d, dv = dims
     for causal in ((), ("--causal",)):
-        (line,) = _ptx_report("--kernel", kernel, "--d", "256", "--config", "64,64,4,2,gluon", *causal)
+        (line,) = _ptx_report(
+            "--kernel", kernel, "--d", str(d), "--dv", str(dv), "--config", "64,64,4,2,gluon", *causal
+        )  # fmt: skip
         found = re.search(r"(\d+) registers \(setmaxnreg ([\d/]+); (\d+) used in the code\)", line)
         assert found, line
         launch, counts, used = int(found.group(1)), {int(n) for n in found.group(2).split("/")}, int(found.group(3))
-        assert launch == 168 and {24, 240} <= counts and launch < used <= 240, line
+        assert launch == 168 and {24, 240} <= counts and used <= 240, line
+        assert used > launch or (kernel, d) == ("dq", 192), line  # (D = 192's dQ half fits the launch's count)
         spills = re.search(r"spill (\d+)/(\d+) B", line)
-        limit = 0 if kernel == "dkdv" else 128
+        limit = 128 if (kernel, d) == ("dq", 256) else 0
         assert spills and int(spills.group(1)) <= limit and int(spills.group(2)) <= limit, line
 
 
-def test_the_d256_backward_kernels_take_their_one_tile_shape():
-    """The D = 256 kernels are built for D = Dv = 256 in 64 x 64 tiles and two ring slots (a third 64 KB slot would not
-    fit the shared memory): their launchers refuse anything else before anything runs."""
+def test_the_wide_backward_kernels_take_their_one_tile_shape():
+    """The kernels above D = 128 are built for D = Dv = 256 and D = 192 with Dv = 128, in 64 x 64 tiles and two ring
+    slots (at D = 256 a third 64 KB slot would not fit the shared memory): their launchers refuse anything else
+    before anything runs."""
     import torch
 
     from attnzoo.kernels.backward_gluon_wide import attention_dkdv_wide_hopper, attention_dq_wide_hopper
@@ -241,3 +248,6 @@ def test_the_d256_backward_kernels_take_their_one_tile_shape():
     narrow = torch.randn(1, 1, 64, 128)
     with pytest.raises(ValueError, match="D = 128, Dv = 128"):
         attention_dq_wide_hopper(narrow, narrow, narrow, narrow, narrow, stats, stats, stats, narrow, 0.1, False)
+    square = torch.randn(1, 1, 64, 192)  # D = Dv = 192: v's columns would not split into the kernels' halves
+    with pytest.raises(ValueError, match="D = 192, Dv = 192"):
+        attention_dkdv_wide_hopper(square, square, square, square, stats, stats, square, square, 0.1, False)

@@ -7,6 +7,7 @@ handling of accumulation buffers.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -265,29 +266,46 @@ def test_the_gluon_scopes_name_the_modifiers_their_kernels_lack(variant, modifie
     assert scope.modifier_reasons(prepare(q, k, k, validate_forward(q, k, k)).modifiers) == []
 
 
+def test_a_value_head_dim_of_its_own_is_no_score_modifier():
+    """D = 192 with Dv = 128 names its v tile in the tuning key, but changes no score: a dense call of it counts as
+    unmodified where a Gluon scope takes some head dims on plain calls only (the backward's wide kernels); a window,
+    a soft cap or ALiBi does change the scores."""
+    q, k, v, _, _ = _inputs(1, 2, 2, 64, 64, 192, None, dtype=torch.float16)
+    v = v[..., :128].contiguous()
+    plain = prepare(q, k, v, validate_forward(q, k, v)).modifiers
+    assert "BLOCK_DV=128" in plain.key and not plain.change_scores
+    for modifier in (dict(window=(8, 0), causal=True), dict(softcap=5.0), dict(alibi_slopes=torch.ones(2))):
+        modifier = {key: val.to(DEVICE) if isinstance(val, torch.Tensor) else val for key, val in modifier.items()}
+        assert prepare(q, k, v, validate_forward(q, k, v, **modifier)).modifiers.change_scores, modifier
+    # A window that the causal mask already implies adds no bound.
+    assert not prepare(q, k, v, validate_forward(q, k, v, causal=True, window=(None, 0))).modifiers.change_scores
+
+
 @pytest.mark.parametrize(
     "variant", [KernelVariant.FORWARD, KernelVariant.DKDV, KernelVariant.DQ, KernelVariant.ATOMIC_PREPROCESS]
 )
 def test_the_gluon_scopes_take_the_head_dims_their_kernels_were_checked_with(variant):
-    """D = Dv = 64 and 128 run every Gluon kernel, D = 192 with Dv = 128 (in two column parts) the forward's, and
-    D = Dv = 256 the forward's and the two-kernel backward's (backward_gluon_wide.py), not the five-product one;
-    other pairs do not, and the reason names them."""
+    """D = Dv = 64 and 128 run every Gluon kernel; D = 192 with Dv = 128 (in two column parts) and D = Dv = 256 the
+    forward's and the two-kernel backward's (backward_gluon_wide.py above D = 128), not the five-product one; other
+    pairs do not, and the reason names them."""
     scope = variant.gluon_scope
     wide = {
         KernelVariant.FORWARD: [(192, 128), (256, 256)],
-        KernelVariant.DKDV: [(256, 256)],
-        KernelVariant.DQ: [(256, 256)],
+        KernelVariant.DKDV: [(192, 128), (256, 256)],
+        KernelVariant.DQ: [(192, 128), (256, 256)],
     }
     in_scope = [(64, 64), (128, 128), *wide.get(variant, [])]
     for dims in in_scope:
         assert scope.head_dim_reasons(*dims) == [], dims
     for dims in {(64, 32), (256, 256), (192, 192), (192, 128)} - set(in_scope):
         assert any(f"D={dims[0]} Dv={dims[1]}" in r for r in scope.head_dim_reasons(*dims))
-    # D = 256 was checked on dense calls without score modifiers: with one, or packed, the Triton kernel runs.
+    # D = 256 (and the backward's D = 192) was checked on dense calls without score modifiers: with one, or packed,
+    # the Triton kernel runs.
+    plain = [(256, 256)] if variant is KernelVariant.FORWARD else wide.get(variant, [])
     for dims in in_scope:
         assert scope.plain_head_dim_reasons(*dims, modified=False) == []
         named = any(f"D={dims[0]} Dv={dims[1]}" in r for r in scope.plain_head_dim_reasons(*dims, modified=True))
-        assert named == (dims == (256, 256)), dims
+        assert named == (dims in plain), dims
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES)
@@ -692,9 +710,11 @@ def test_wide_tiles_take_the_configs_timed_at_d192(monkeypatch):
     for dv, dkdv, dq in ((128, "32x128 w8 s3", "64x64 w4 s3 tma"), (256, "64x32 w8 s2", "64x32 w4 s2")):
         assert str(pick("dkdv", 256, triton_tiles("dkdv", dv))) == dkdv
         assert str(pick("dq", 256, triton_tiles("dq", dv))) == dq
-    # D = Dv = 256 in the Gluon scope: the head-dim-split kernels (backward_gluon_wide.py).
-    for kernel in ("dkdv", "dq"):
-        in_scope = tuning.candidates(kernel, 256, torch.float16, cpu, gluon_head_dims=(256, 256))
+    # D = Dv = 256 and D = 192 with Dv = 128 in the Gluon scope: the head-dim-split kernels (backward_gluon_wide.py),
+    # whose one tile is the only Gluon candidate (at D = 192 others fit the shared memory but have no kernel).
+    for kernel, dims in itertools.product(("dkdv", "dq"), ((256, 256), (192, 128))):
+        in_scope = tuning.candidates(kernel, 256, torch.float16, cpu, gluon_head_dims=dims)
+        assert [str(c) for c in in_scope if c.gluon] == ["64x64 w4 s2 gluon"], (kernel, dims)
         assert str(pick(kernel, 256, in_scope)) == "64x64 w4 s2 gluon"
     # Without TMA descriptors (the launcher drops TMA configs), the dQ pick is the next of the list.
     no_tma = [c for c in triton_tiles("dq", 128) if not c.tma]

@@ -10,8 +10,8 @@ from one extra load of O, stores lse in base 2 beside it, and loops over the K/V
 the query heads of the group), reading the stored lse2 and Delta, so each dK/dV row is summed in one program and
 written once.  No atomics: results are bitwise reproducible.  On Hopper the tuner may run the dK/dV kernel's Gluon
 version instead (``backward_gluon.py``, ``gluon`` configs), which sums in the same order: the same bits.  At
-D = 256 both kernels have Gluon versions that split the head dim between two warpgroups (``backward_gluon_wide.py``;
-dS from P rounded to the input dtype, so not the Triton kernels' bits).
+D = 256, and at D = 192 with Dv = 128, both kernels have Gluon versions that split the head dim between two
+warpgroups (``backward_gluon_wide.py``; dS from P rounded to the input dtype, so not the Triton kernels' bits).
 
 FLOPs: the dK/dV kernel 4 matrix products (S, dP, dV, dK) and the dQ kernel 3 (S, dP, dQ), each 2*Nq*Nk*D per head:
 14*B*H*Nq*Nk*D in total, i.e. 3.5x the forward (the usual 2.5x count excludes the recomputation of S and dP
@@ -377,7 +377,7 @@ def attention_backward_2kernel(
     def launch_dkdv(cfg) -> None:
         if cfg.gluon and hopper_dkdv:
             try:
-                if call.problem.head_dim == 256:  # (the scope: D = Dv = 256, dense calls without modifiers)
+                if call.problem.head_dim > 128:  # (the scope: backward_gluon_wide's head dims, dense, no modifiers)
                     attention_dkdv_wide_hopper(
                         q, k, v, do, lse2, delta, dk, dv, call.scale, call.causal, cfg.block_m, cfg.block_n,
                         cfg.num_stages,
@@ -407,7 +407,7 @@ def attention_backward_2kernel(
     def launch_dq(cfg) -> None:
         if cfg.gluon and hopper_dq:
             try:
-                if call.problem.head_dim == 256:  # (as in launch_dkdv)
+                if call.problem.head_dim > 128:  # (as in launch_dkdv)
                     attention_dq_wide_hopper(
                         q, k, v, o, do, lse, lse2, delta, dq, call.scale, call.causal, cfg.block_m, cfg.block_n,
                         cfg.num_stages,

@@ -1,48 +1,55 @@
-"""The two-kernel backward at head dim 256 for Hopper, in Gluon: its dK/dV and dQ kernels with the head dim split
-between two warpgroups.
+"""The two-kernel backward above head dim 128 for Hopper, in Gluon: its dK/dV and dQ kernels with the head dim split
+between two warpgroups, for D = Dv = 256 and for D = 192 with Dv = 128 (DeepSeek's MLA).
 
 At D = 128 one warpgroup holds dK and dV of its 64 keys (64 registers a thread each, ``backward_gluon.py``), or dQ
 of its 64 rows (``backward_gluon_dq.py``).  At D = 256 these accumulators would take 256 and 128 registers a thread
-beside the score tiles, and the Triton tiles that served D = 256 ran the backward at 0.42-0.48x cuDNN's (about 165
-TFLOP/s; the dK/dV kernel took two thirds of the time, docs/design.md).  Here a block of 64 keys (dK/dV) or 64 rows
-(dQ) has two warpgroups, each holding the columns of one half of the head dim (``[64, 128]`` float32 accumulators,
-64 registers a thread each), and the two 64 x 64 products that contract over all 256 columns are divided, not
-duplicated: the *scores* warpgroup computes the scores and P, the *gradients* warpgroup dP and dS, and each hands
-its result to the other through shared memory.  The dK/dV kernel's Q tile ``t``, with ``P = exp2(S * scale *
-log2(e) - lse2)``:
+beside the score tiles (at D = 192, Dv = 128: 160 and 96), and the Triton tiles that served these head dims ran the
+backward at 0.42-0.48x cuDNN's at D = 256 (about 165 TFLOP/s) and at 136-218 TFLOP/s at D = 192 (docs/design.md).
+Here a block of 64 keys (dK/dV) or 64 rows (dQ) has two warpgroups, each holding some of the gradients' columns,
+and the two 64 x 64 products that contract over the head dim (S over D, dP over Dv) are divided, not duplicated:
+the *scores* warpgroup computes the scores and P, the *gradients* warpgroup dP and dS, and each hands its result to
+the other through shared memory.  q and k (and dq, dk) arrive in two column parts, 128 and D - 128 (TMA boxes and
+shared-memory tiles have power-of-two shapes); v, dO and dV in one tile of Dv.  The dK/dV kernel's Q tile ``t``,
+with ``P = exp2(S * scale * log2(e) - lse2)`` and ``h = Dv / 2``:
 
-    scores warpgroup (cols 0-127)                     gradients warpgroup (cols 128-255)
-    S^T_t = K Q_t^T                                   dP^T_t = V dO_t^T
+    scores warpgroup                                  gradients warpgroup
+    S^T_t = K Q_t^T (both parts)                      dP^T_t = V dO_t^T
     P^T_t -> shared memory ------ "p ready" ------>   P^T_t from shared memory
-    dV[:, :128] += P^T_t dO_t[:, :128]                dS^T_t = P^T_t (dP^T_t - Delta_t) -> shared memory
-                           <----- "ds ready" ------   dV[:, 128:] += P^T_t dO_t[:, 128:]   (P^T from shared memory)
-    dK[:, :128] += dS^T_t Q_t[:, :128]                dK[:, 128:] += dS^T_t Q_t[:, 128:]    (dS^T from registers)
+    dV[:, :h] += P^T_t dO_t[:, :h]                    dS^T_t = P^T_t (dP^T_t - Delta_t) -> shared memory
+                           <----- "ds ready" ------   dV[:, h:] += P^T_t dO_t[:, h:]   (P^T from shared memory)
+    dK[:, 128:] += dS^T_t Q_t[:, 128:]                dK[:, :128] += dS^T_t Q_t[:, :128]   (dS^T from registers)
 
-The dQ kernel's K/V tile ``j`` is the same exchange with rows and keys swapped: ``S_j = Q K_j^T`` and ``P_j`` in the
-scores warpgroup, ``dP_j = dO V_j^T`` and ``dS_j`` in the other, and each adds ``dS_j K_j[:, cols]`` into its half
-of dQ.  So each warpgroup runs half of a tile's products and half of its arithmetic, and one's exponentials run
-while the other's ``dP`` product does.  The P and dS slots are each rewritten once the other warpgroup has
-released them ("p free", "ds free").  dS is taken from P rounded to the input dtype (as the products take it), so
-the bits differ from the Triton kernels'.  A producer warp (``gl.warp_specialize``) loads the resident tiles (K, V
-or Q, dO) once and streams the others through a ring of NUM_STAGES slots, which both warpgroups release.  Shared
-memory: 64 KB resident, two 64 KB slots, 16 KB for the exchange: one CTA per SM.  After the loop the gradients go
-through the shared memory of a resident tile that no product reads any more (each warpgroup its columns) and one
-TMA store each.
+The scores warpgroup takes dK's second part because its S product contracts over all of D where dP contracts over
+Dv: at D = 192, Dv = 128 each warpgroup then issues 320 of the 640 (64 x 64 x 64-column) product steps of a tile
+(S 192 + dK 64 + dV 64 against dP 128 + dK 128 + dV 64), and at D = 256 each issues half as well.  The dQ
+kernel's K/V tile ``j`` is the same exchange with rows and keys swapped: ``S_j = Q K_j^T`` and ``P_j`` in the
+scores warpgroup, ``dP_j = dO V_j^T`` and ``dS_j`` in the other, and each adds ``dS_j K_j[:, cols]`` into its
+columns of dQ (the scores warpgroup the second part's).  So each warpgroup runs half of a tile's products and half
+of its arithmetic, and one's exponentials run while the other's ``dP`` product does.  The P and dS slots are each
+rewritten once the other warpgroup has released them ("p free", "ds free").  dS is taken from P rounded to the input
+dtype (as the products take it), so the bits differ from the Triton kernels'.  A producer warp
+(``gl.warp_specialize``) loads the resident tiles (K and V, or Q and dO) once and streams the others through a ring
+of NUM_STAGES slots, which both warpgroups release.  Shared memory at D = 256: 64 KB resident, two 64 KB slots,
+16 KB for the exchange, one CTA per SM (140 KB at D = 192, Dv = 128, where a third slot measured 0.96-1.02x).
+After the loop the gradients go through the shared memory of a resident tile that no product reads any more (each
+warpgroup its columns) and one TMA store per part.
 
-Measured on the H100 (bf16/fp16, N = 2k-16k, causal or not, ``bench/results/h100_d256_wide_*.csv``): the backward
-at 314-387 TFLOP/s, 0.99-1.07x cuDNN's; the tuner took these kernels at every D = 256 key, the Triton tiles taking
-1.63-1.98x (dQ) and 2.56-3.14x (dK/dV) their time.
+Measured on the H100 (``bench/results/h100_d256_wide_*.csv``, ``h100_d192_wide_bwd.csv``): at D = 256 (bf16/fp16,
+N = 2k-16k, causal or not) the backward at 314-387 TFLOP/s, 0.99-1.07x cuDNN's, the tuner taking these kernels at
+every D = 256 key (the Triton tiles took 1.63-1.98x (dQ) and 2.56-3.14x (dK/dV) their time); at D = 192, Dv = 128
+247-313 TFLOP/s, 1.40-1.82x the Triton tiles, 1.09-1.11x cuDNN without a mask and 0.66-0.73x with the causal one.
 
-Scope (``KernelVariant.DKDV`` and ``KernelVariant.DQ`` ``gluon_scope``, ``plain_head_dims``): D = Dv = 256, dense
-calls, causal or not, GQA; no score modifiers or packed batches (those run the Triton tiles).  The five-product
-backward has no D = 256 block: ``triton_atomic`` runs its Triton kernel there (and, deterministic, this backward).
+Scope (``KernelVariant.DKDV`` and ``KernelVariant.DQ`` ``gluon_scope``, ``plain_head_dims``): ``WIDE_HEAD_DIMS``,
+dense calls, causal or not, GQA; no score modifiers or packed batches (those run the Triton tiles).  The
+five-product backward has no block above D = 128: ``triton_atomic`` runs its Triton kernel there (and,
+deterministic, this backward).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .common import LOG2E, q_loop_bounds
+from .common import LOG2E, load_lse2, q_loop_bounds
 from .forward_gluon import KERNEL_WARPS
 from .gluon_hopper import (
     accumulator_layout,
@@ -51,7 +58,6 @@ from .gluon_hopper import (
     gl,
     gluon,
     mbarrier,
-    ring_load_pair,
     ring_wait,
     tile_descriptor,
     tma,
@@ -63,29 +69,45 @@ from .gluon_hopper import (
 
 if gluon is not None:
     # The other Gluon kernels' helpers (defined only where Gluon is).
-    from .backward_gluon import _load_q_do_tile, _load_row_stat, _visible_t
+    from .backward_gluon import _load_row_stat, _tile_of, _visible_t
     from .backward_gluon_dq import _row_stats, _tile_p
     from .forward_gluon import q_block_tiles
 
     @gluon.jit
-    def _wide_buffers(
-        resident_desc, resident_desc2, ring_desc, ring_desc2, NUM_STAGES: gl.constexpr, DTYPE: gl.constexpr
-    ):  # fmt: skip
-        """Both kernels' shared memory: two resident tiles (K and V, or Q and dO) with the mbarrier their loads
-        complete; two rings of NUM_STAGES tiles (Q and dO, or K and V) with each slot's "ready" mbarrier and its
-        "empty" one, which an arrive of each warpgroup completes; and what the warpgroups exchange a tile through,
-        a P slot and a dS slot ``[rows of the resident tiles, rows of the ring's]`` with six mbarriers: p_ready,
-        p_free, ds_ready, ds_free (one arrive completes them), loop_done, halves_stored (one from each warpgroup).
-        -> ``(smem, resident_bar, ring_ready, ring_empty, exchange_bars, exchange)``: ``smem = (resident,
-        resident2, ring, ring2, p_smem, ds_smem)``, ``exchange`` the six mbarriers (``_invalidate_wide`` takes the
-        arrays)."""
-        ROWS: gl.constexpr = resident_desc.block_type.shape[2]
-        COLS: gl.constexpr = ring_desc.block_type.shape[2]
-        resident = gl.allocate_shared_memory(DTYPE, resident_desc.block_type.shape, resident_desc.layout)
-        resident2 = gl.allocate_shared_memory(DTYPE, resident_desc2.block_type.shape, resident_desc2.layout)
-        BLOCK_D: gl.constexpr = ring_desc.block_type.shape[3]
-        ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, COLS, BLOCK_D], ring_desc.layout)
-        ring2 = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, COLS, BLOCK_D], ring_desc2.layout)
+    def _load_three(descs, bar, tiles, batch, head, row):
+        """TMA copies of the boxes at ``[batch, head, row, 0]`` of three descriptors (the head dim's two column parts
+        and v's or dO's columns) into ``tiles``, all completing ``bar``."""
+        NBYTES: gl.constexpr = descs[0].block_type.nbytes + descs[1].block_type.nbytes + descs[2].block_type.nbytes
+        mbarrier.expect(bar, NBYTES)
+        tma_load(descs[0], [batch, head, row, 0], bar, tiles[0])
+        tma_load(descs[1], [batch, head, row, 0], bar, tiles[1])
+        tma_load(descs[2], [batch, head, row, 0], bar, tiles[2])
+
+    @gluon.jit
+    def _wide_buffers(resident_descs, ring_descs, NUM_STAGES: gl.constexpr, DTYPE: gl.constexpr):
+        """Both kernels' shared memory: three resident tiles (K's two column parts and V, or Q's and dO) with the
+        mbarrier their loads complete; three rings of NUM_STAGES tiles (Q's parts and dO, or K's and V) with each
+        slot's "ready" mbarrier and its "empty" one, which an arrive of each warpgroup completes; and what the
+        warpgroups exchange a tile through, a P slot and a dS slot ``[rows of the resident tiles, rows of the
+        ring's]`` with six mbarriers: p_ready, p_free, ds_ready, ds_free (one arrive completes them), loop_done,
+        halves_stored (one from each warpgroup).
+        -> ``(smem, resident_bar, ring_ready, ring_empty, exchange_bars, exchange)``: ``smem = (resident part 1,
+        part 2, resident values, ring part 1, part 2, ring values, p_smem, ds_smem)``, ``exchange`` the six
+        mbarriers (``_invalidate_wide`` takes the arrays)."""
+        ROWS: gl.constexpr = resident_descs[0].block_type.shape[2]
+        COLS: gl.constexpr = ring_descs[0].block_type.shape[2]
+        resident = gl.allocate_shared_memory(DTYPE, resident_descs[0].block_type.shape, resident_descs[0].layout)
+        resident2 = gl.allocate_shared_memory(DTYPE, resident_descs[1].block_type.shape, resident_descs[1].layout)
+        resident_v = gl.allocate_shared_memory(DTYPE, resident_descs[2].block_type.shape, resident_descs[2].layout)
+        ring = gl.allocate_shared_memory(
+            DTYPE, [NUM_STAGES, 1, 1, COLS, ring_descs[0].block_type.shape[3]], ring_descs[0].layout
+        )  # fmt: skip
+        ring2 = gl.allocate_shared_memory(
+            DTYPE, [NUM_STAGES, 1, 1, COLS, ring_descs[1].block_type.shape[3]], ring_descs[1].layout
+        )  # fmt: skip
+        ring_v = gl.allocate_shared_memory(
+            DTYPE, [NUM_STAGES, 1, 1, COLS, ring_descs[2].block_type.shape[3]], ring_descs[2].layout
+        )  # fmt: skip
         layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, COLS], DTYPE)
         p_smem = gl.allocate_shared_memory(DTYPE, [ROWS, COLS], layout)
         ds_smem = gl.allocate_shared_memory(DTYPE, [ROWS, COLS], layout)
@@ -104,7 +126,7 @@ if gluon is not None:
             exchange_bars.index(0), exchange_bars.index(1), exchange_bars.index(2), exchange_bars.index(3),
             exchange_bars.index(4), exchange_bars.index(5),
         )  # fmt: skip
-        smem = (resident, resident2, ring, ring2, p_smem, ds_smem)
+        smem = (resident, resident2, resident_v, ring, ring2, ring_v, p_smem, ds_smem)
         return smem, resident_bar, ring_ready, ring_empty, exchange_bars, exchange
 
     @gluon.jit
@@ -119,36 +141,44 @@ if gluon is not None:
     @gluon.jit
     def _dkdv_half(
         smem, bars, scalars, stats, stats_at, PART: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
-        BLOCK_D: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr,
+        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
     ):  # fmt: skip
         """The loop of one warpgroup (the module docstring's table): PART 0 the scores warpgroup, PART 1 the
-        gradients warpgroup; each accumulates dK and dV of the block's KEYS keys in its half of the head dim's
-        columns, then stores them into K's and V's shared memory tiles (TMA-stored by the scores warpgroup).
+        gradients warpgroup; each accumulates its columns of dK (PART 0 the second part's BLOCK_D2, PART 1 the
+        first part's BLOCK_D) and its half of dV's BLOCK_DV for the block's KEYS keys, then stores them into K's
+        and V's shared memory tiles (TMA-stored by the scores warpgroup).
 
-        ``smem = (k_smem, v_smem, q_ring, do_ring, pt_smem, ds_smem)``; ``bars = (q_do_bars, q_do_empty, p_ready,
-        p_free, ds_ready, ds_free, loop_done, halves_stored)``; ``scalars = (lo, unmasked_lo, n_iters,
-        tiles_per_head, start_n, diagonal_offset, sm_scale, qk_scale)``; ``stats = (lse2_ptr, delta_ptr)``."""
-        k_smem, v_smem, q_ring, do_ring, pt_smem, ds_smem = smem
+        ``smem = (k_smem, k2_smem, v_smem, q_ring, q2_ring, do_ring, pt_smem, ds_smem)``; ``bars = (q_do_bars,
+        q_do_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored)``; ``scalars = (lo, unmasked_lo,
+        n_iters, tiles_per_head, start_n, diagonal_offset, sm_scale, qk_scale)``; ``stats = (lse2_ptr,
+        delta_ptr)``."""
+        k_smem, k2_smem, v_smem, q_ring, q2_ring, do_ring, pt_smem, ds_smem = smem
         q_do_bars, q_do_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored = bars
         lo, unmasked_lo, n_iters, tiles_per_head, start_n, diagonal_offset, sm_scale, qk_scale = scalars
         lse2_ptr, delta_ptr = stats
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
-        HALF: gl.constexpr = BLOCK_D // 2
+        DK_COLS: gl.constexpr = BLOCK_D2 if PART == 0 else BLOCK_D
+        DV_COLS: gl.constexpr = BLOCK_DV // 2
         st_layout: gl.constexpr = accumulator_layout(4, BLOCK_M)
-        dkv_layout: gl.constexpr = accumulator_layout(4, HALF)
-        operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dkv_layout, k_width=2)
+        dk_layout: gl.constexpr = accumulator_layout(4, DK_COLS)
+        dv_layout: gl.constexpr = accumulator_layout(4, DV_COLS)
+        # The register operands: PART 0's P^T of dV's product, PART 1's dS^T of dK's.
+        p_operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
+        ds_operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
         key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
         row_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
         k_tile = k_smem.reshape([KEYS, BLOCK_D])
-        v_tile = v_smem.reshape([KEYS, BLOCK_D])
+        k2_tile = k2_smem.reshape([KEYS, BLOCK_D2])
+        v_tile = v_smem.reshape([KEYS, BLOCK_DV])
         keys = start_n + gl.arange(0, KEYS, key_layout)
         local_rows = gl.arange(0, BLOCK_M, row_layout)
-        dk = gl.zeros([KEYS, HALF], gl.float32, dkv_layout)
-        dv = gl.zeros([KEYS, HALF], gl.float32, dkv_layout)
+        dk = gl.zeros([KEYS, DK_COLS], gl.float32, dk_layout)
+        dv = gl.zeros([KEYS, DV_COLS], gl.float32, dv_layout)
         scores = gl.zeros([KEYS, BLOCK_M], gl.float32, st_layout)  # S^T or dP^T (ignored accumulator input)
 
         for t in range(n_iters):
-            start_m = lo + (t % tiles_per_head) * BLOCK_M
+            _, start_m = _tile_of(t, lo, tiles_per_head, BLOCK_M, False)
             rows = start_m + local_rows
             use = t & 1  # the exchange barriers complete once per tile
             # This warpgroup's statistic of the tile's rows, loaded before the waits so that they hide its latency.
@@ -157,11 +187,13 @@ if gluon is not None:
             else:
                 delta = _load_row_stat(delta_ptr, t, stats_at, 0.0, row_layout, BLOCK_M, False)
             q_tile = ring_wait(q_do_bars, q_ring, t, BLOCK_M, BLOCK_D, NUM_STAGES)
-            do_tile = do_ring.index(t % NUM_STAGES).reshape([BLOCK_M, BLOCK_D])
-            q_half = q_tile.slice(PART * HALF, HALF, dim=1)
-            do_half = do_tile.slice(PART * HALF, HALF, dim=1)
+            q2_tile = q2_ring.index(t % NUM_STAGES).reshape([BLOCK_M, BLOCK_D2])  # (the same barrier)
+            do_tile = do_ring.index(t % NUM_STAGES).reshape([BLOCK_M, BLOCK_DV])
+            do_half = do_tile.slice(PART * DV_COLS, DV_COLS, dim=1)
             if PART == 0:
+                # S^T = K Q^T over both column parts, the second product accumulating onto the first.
                 scores = warpgroup_mma(k_tile, q_tile.permute((1, 0)), scores, use_acc=False, is_async=True)
+                scores = warpgroup_mma(k2_tile, q2_tile.permute((1, 0)), scores, is_async=True)
                 scores = warpgroup_mma_wait(0, deps=(scores,))
                 p_t = gl.exp2(scores * qk_scale - lse2[None, :])
                 if CAUSAL:  # noqa: SIM102 - a compile-time branch around a runtime one
@@ -175,10 +207,10 @@ if gluon is not None:
                 fence_async_shared()
                 cta_barrier()  # every warp's rows are in before the one arrive
                 mbarrier.arrive(p_ready)
-                p_op = gl.convert_layout(p_16, operand_layout)
+                p_op = gl.convert_layout(p_16, p_operand_layout)
                 dv = warpgroup_mma(p_op, do_half, dv, is_async=True)
                 mbarrier.wait(ds_ready, use)
-                dk = warpgroup_mma(ds_smem, q_half, dk, is_async=True)
+                dk = warpgroup_mma(ds_smem, q2_tile, dk, is_async=True)
                 dv, dk, p_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op))
                 mbarrier.arrive(ds_free)  # this tile's dS^T is read: the slot may be rewritten
             else:
@@ -193,8 +225,8 @@ if gluon is not None:
                 cta_barrier()
                 mbarrier.arrive(ds_ready)
                 dv = warpgroup_mma(pt_smem, do_half, dv, is_async=True)
-                ds_op = gl.convert_layout(ds_16, operand_layout)
-                dk = warpgroup_mma(ds_op, q_half, dk, is_async=True)
+                ds_op = gl.convert_layout(ds_16, ds_operand_layout)
+                dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
                 dv, dk, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, ds_op))
                 mbarrier.arrive(p_free)
             # A wgmma is one operation of the whole warpgroup: once complete here, it has read its shared memory for
@@ -205,63 +237,70 @@ if gluon is not None:
         # loops are done.  Each warpgroup then writes its columns of dK and dV; keys that no row sees store zeros.
         mbarrier.arrive(loop_done)
         mbarrier.wait(loop_done, 0)
-        k_tile.slice(PART * HALF, HALF, dim=1).store((dk * sm_scale).to(DTYPE))
-        v_tile.slice(PART * HALF, HALF, dim=1).store(dv.to(DTYPE))
+        if PART == 0:
+            k2_tile.store((dk * sm_scale).to(DTYPE))
+        else:
+            k_tile.store((dk * sm_scale).to(DTYPE))
+        v_tile.slice(PART * DV_COLS, DV_COLS, dim=1).store(dv.to(DTYPE))
         fence_async_shared()
         cta_barrier()
         mbarrier.arrive(halves_stored)
 
     @gluon.jit
     def _dkdv_wide_load_tiles(
-        q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_ring, do_ring, kv_bar, q_do_bars, q_do_empty, batch,
-        kv_head, start_n, first_head, lo, tiles_per_head, n_iters, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+        q_descs, kv_descs, smem, kv_bar, q_do_bars, q_do_empty, batch, kv_head, start_n, first_head, lo,
+        tiles_per_head, n_iters, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
     ):  # fmt: skip
-        """The producer warp: K and V of the block, then Q and dO tile ``i`` into slot ``i % NUM_STAGES`` once both
-        warpgroups have released the slot's previous tiles."""
-        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma_load(k_desc, [batch, kv_head, start_n, 0], kv_bar, k_smem)
-        tma_load(v_desc, [batch, kv_head, start_n, 0], kv_bar, v_smem)
+        """The producer warp: K (both parts) and V of the block, then Q (both parts) and dO of tile ``i`` into slot
+        ``i % NUM_STAGES`` once both warpgroups have released the slot's previous tiles."""
+        _load_three(kv_descs, kv_bar, (smem[0], smem[1], smem[2]), batch, kv_head, start_n)
         for i in range(n_iters):
+            slot = i % NUM_STAGES
             # An mbarrier starts as if its phase "-1" had completed, so the waits of the first round pass at once.
-            mbarrier.wait(q_do_empty.index(i % NUM_STAGES), ((i // NUM_STAGES) & 1) ^ 1)
-            _load_q_do_tile(
-                q_desc, do_desc, q_do_bars, q_ring, do_ring, i, n_iters, tiles_per_head, lo, batch, first_head, 0,
-                BLOCK_M, NUM_STAGES, False,
-            )  # fmt: skip
+            mbarrier.wait(q_do_empty.index(slot), ((i // NUM_STAGES) & 1) ^ 1)
+            g, start_m = _tile_of(i, lo, tiles_per_head, BLOCK_M, False)
+            tiles = (smem[3].index(slot), smem[4].index(slot), smem[5].index(slot))
+            _load_three(q_descs, q_do_bars.index(slot), tiles, batch, first_head + g, start_m)
 
     @gluon.jit
     def _dkdv_wide_scores(
-        smem, bars, kv_bar, scalars, stats, stats_at, dk_desc, dv_desc, batch, kv_head,
-        BLOCK_M: gl.constexpr, KEYS: gl.constexpr, BLOCK_D: gl.constexpr, CAUSAL: gl.constexpr,
-        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        smem, bars, kv_bar, scalars, stats, stats_at, out_descs, batch, kv_head,
+        BLOCK_M: gl.constexpr, KEYS: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
+        BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
     ):  # fmt: skip
-        """The default partition: the scores warpgroup's loop, then the TMA stores of dK and dV once both warpgroups
-        have written their columns."""
-        k_smem, v_smem = smem[0], smem[1]
+        """The default partition: the scores warpgroup's loop, then the TMA stores of dK's parts and dV
+        (``out_descs``) once both warpgroups have written their columns."""
         mbarrier.wait(kv_bar, 0)
-        _dkdv_half(smem, bars, scalars, stats, stats_at, 0, BLOCK_M, KEYS, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16)
+        _dkdv_half(smem, bars, scalars, stats, stats_at, 0, BLOCK_M, KEYS, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL,
+                   NUM_STAGES, IS_FP16)  # fmt: skip
         mbarrier.wait(bars[7], 0)  # halves_stored: both warpgroups' columns are in
         start_n = scalars[4]
-        tma_store(dk_desc, [batch, kv_head, start_n, 0], k_smem)
-        tma_store(dv_desc, [batch, kv_head, start_n, 0], v_smem)
+        tma_store(out_descs[0], [batch, kv_head, start_n, 0], smem[0])
+        tma_store(out_descs[1], [batch, kv_head, start_n, 0], smem[1])
+        tma_store(out_descs[2], [batch, kv_head, start_n, 0], smem[2])
         tma.store_wait(0)
 
     @gluon.jit
     def _dkdv_wide_gradients(
         smem, bars, kv_bar, scalars, stats, stats_at, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
-        BLOCK_D: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr,
+        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
     ):  # fmt: skip
         """The second warpgroup: the gradients warpgroup's loop."""
         mbarrier.wait(kv_bar, 0)
-        _dkdv_half(smem, bars, scalars, stats, stats_at, 1, BLOCK_M, KEYS, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16)
+        _dkdv_half(smem, bars, scalars, stats, stats_at, 1, BLOCK_M, KEYS, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL,
+                   NUM_STAGES, IS_FP16)  # fmt: skip
 
     @gluon.jit(do_not_specialize=["num_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "num_n_blocks"])
     def attention_dkdv_wide_kernel(
         q_desc,
+        q2_desc,
         k_desc,
+        k2_desc,
         v_desc,
         do_desc,
         dk_desc,
+        dk2_desc,
         dv_desc,
         lse2_ptr,
         delta_ptr,
@@ -276,13 +315,17 @@ if gluon is not None:
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
         BLOCK_D: gl.constexpr,
+        BLOCK_D2: gl.constexpr,
+        BLOCK_DV: gl.constexpr,
         CAUSAL: gl.constexpr,
         NUM_STAGES: gl.constexpr,
         IS_FP16: gl.constexpr,
     ):
         """dK, dV of one block of BLOCK_N = 64 keys of one (batch, kv head), summed over the ``group_size`` query
         heads that read the kv head; grid: 1-d, ``num_n_blocks * B * Hkv`` programs, launched with 4 warps (the
-        scores warpgroup) and given the gradients warpgroup and the producer warp by ``gl.warp_specialize``."""
+        scores warpgroup) and given the gradients warpgroup and the producer warp by ``gl.warp_specialize``.  The
+        head dim arrives in two column parts (``q_desc``/``k_desc``/``dk_desc`` BLOCK_D = 128 columns,
+        ``q2_desc``/``k2_desc``/``dk2_desc`` the next BLOCK_D2), v, do and dv in one of BLOCK_DV."""
         gl.static_assert(BLOCK_N == 64 and BLOCK_M == 64, "64 keys a block (one warpgroup's M), 64-row Q tiles")
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
         pid = gl.program_id(0)
@@ -299,26 +342,27 @@ if gluon is not None:
         n_iters = tiles_per_head * group_size
 
         # P^T and dS^T are exchanged, keys along the rows.
+        kv_descs = (k_desc, k2_desc, v_desc)
+        q_descs = (q_desc, q2_desc, do_desc)
         smem, kv_bar, q_do_bars, q_do_empty, exchange_bars, exchange = _wide_buffers(
-            k_desc, v_desc, q_desc, do_desc, NUM_STAGES, DTYPE
+            kv_descs, q_descs, NUM_STAGES, DTYPE
         )  # fmt: skip
-        k_smem, v_smem, q_ring, do_ring = smem[0], smem[1], smem[2], smem[3]
         p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored = exchange
         bars = (q_do_bars, q_do_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored)
         scalars = (lo, unmasked_lo, n_iters, tiles_per_head, start_n, seqlen_k - seqlen_q, sm_scale, qk_scale)
         stats = (lse2_ptr, delta_ptr)
         stats_at = (n_iters, lo, tiles_per_head, batch * num_heads + first_head, seqlen_q, 0, seqlen_q)
+        out_descs = (dk_desc, dk2_desc, dv_desc)
         # Constexpr arguments go to the partitions as literals (forward_gluon's note).  The gradients warpgroup and
         # (by what is left) the scores warpgroup get 240 registers, the producer warp 24.
         gl.warp_specialize(
             [
-                (_dkdv_wide_scores, (smem, bars, kv_bar, scalars, stats, stats_at, dk_desc, dv_desc, batch, kv_head,
-                                     BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16)),
+                (_dkdv_wide_scores, (smem, bars, kv_bar, scalars, stats, stats_at, out_descs, batch, kv_head,
+                                     BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16)),
                 (_dkdv_wide_gradients, (smem, bars, kv_bar, scalars, stats, stats_at, BLOCK_M, BLOCK_N, BLOCK_D,
-                                        CAUSAL, NUM_STAGES, IS_FP16)),
-                (_dkdv_wide_load_tiles, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_ring, do_ring, kv_bar,
-                                         q_do_bars, q_do_empty, batch, kv_head, start_n, first_head, lo,
-                                         tiles_per_head, n_iters, BLOCK_M, NUM_STAGES)),
+                                        BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16)),
+                (_dkdv_wide_load_tiles, (q_descs, kv_descs, smem, kv_bar, q_do_bars, q_do_empty, batch, kv_head,
+                                         start_n, first_head, lo, tiles_per_head, n_iters, BLOCK_M, NUM_STAGES)),
             ],
             [4, 1],
             [240, 24],
@@ -329,26 +373,29 @@ if gluon is not None:
     @gluon.jit
     def _dq_half(
         smem, bars, scalars, pointers, PART: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-        CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+        IS_FP16: gl.constexpr,
     ):  # fmt: skip
         """The dQ kernel's loop of one warpgroup over the K/V tiles of a 64-row Q block, the dK/dV kernel's
         exchange with the roles of rows and keys swapped: PART 0 computes ``S_j = Q K_j^T`` and ``P_j`` and hands
         P_j over, PART 1 computes ``dP_j = dO V_j^T`` and ``dS_j`` and hands dS_j over, and each adds ``dS_j
-        K_j[:, cols]`` into its half of dQ's columns; then stores that half, scaled, into Q's shared memory tile
-        (TMA-stored by PART 0).  PART 1 also writes Delta and lse2 for the dK/dV kernel (``_row_stats``).
+        K_j[:, cols]`` into its columns of dQ (PART 0 the second part's, PART 1 the first's); then stores them,
+        scaled, into Q's shared memory tiles (TMA-stored by PART 0).  PART 1 also writes Delta and lse2 for the
+        dK/dV kernel (``_row_stats``).
 
-        ``smem = (q_smem, do_smem, k_ring, v_ring, p_smem, ds_smem)``; ``bars = (q_bar, kv_ready, kv_empty, p_ready,
-        p_free, ds_ready, ds_free, loop_done, halves_stored)``; ``scalars = (start_m, seqlen_q, seqlen_k, first_key,
-        unmasked_tiles, n_tiles, sm_scale, qk_scale)``; ``pointers`` as ``_row_stats`` takes them, and lse."""
-        q_smem, do_smem, k_ring, v_ring, p_smem, ds_smem = smem
+        ``smem = (q_smem, q2_smem, do_smem, k_ring, k2_ring, v_ring, p_smem, ds_smem)``; ``bars = (q_bar, kv_ready,
+        kv_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored)``; ``scalars = (start_m, seqlen_q,
+        seqlen_k, first_key, unmasked_tiles, n_tiles, sm_scale, qk_scale)``; ``pointers`` as ``_row_stats`` takes
+        them, and lse."""
+        q_smem, q2_smem, do_smem, k_ring, k2_ring, v_ring, p_smem, ds_smem = smem
         q_bar, kv_ready, kv_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored = bars
         start_m, seqlen_q, seqlen_k, first_key, unmasked_tiles, n_tiles, sm_scale, qk_scale = scalars
         o_rows, stride_o_row, do_rows, stride_do_row, lse_ptr, lse2_ptr, delta_ptr, stats = pointers
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
         ROWS: gl.constexpr = q_smem.type.shape[2]
-        HALF: gl.constexpr = BLOCK_D // 2
+        DQ_COLS: gl.constexpr = BLOCK_D2 if PART == 0 else BLOCK_D
         s_layout: gl.constexpr = accumulator_layout(4, BLOCK_N)
-        dq_layout: gl.constexpr = accumulator_layout(4, HALF)
+        dq_layout: gl.constexpr = accumulator_layout(4, DQ_COLS)
         operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -356,28 +403,29 @@ if gluon is not None:
         local_keys = gl.arange(0, BLOCK_N, key_layout)
         diagonal_offset = seqlen_k - seqlen_q
         if PART == 0:  # lse in base 2 (+inf on an empty row: P = 0), as _row_stats stores it
-            lse = gl.load(lse_ptr + stats + rows, mask=rows < seqlen_q, other=float("-inf"))
-            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+            lse2 = load_lse2(lse_ptr + stats + rows, rows, seqlen_q, True)
         else:
             delta, _ = _row_stats(
                 o_rows, stride_o_row, do_rows, stride_do_row, lse_ptr, lse2_ptr, delta_ptr, stats, start_m, start_m,
-                seqlen_q, ROWS, BLOCK_D, 4,
+                seqlen_q, ROWS, BLOCK_DV, 4,
             )  # fmt: skip
             delta = gl.convert_layout(delta, row_layout)
         mbarrier.wait(q_bar, 0)
         q_tile = q_smem.reshape([ROWS, BLOCK_D])
-        do_tile = do_smem.reshape([ROWS, BLOCK_D])
-        dq = gl.zeros([ROWS, HALF], gl.float32, dq_layout)
+        q2_tile = q2_smem.reshape([ROWS, BLOCK_D2])
+        do_tile = do_smem.reshape([ROWS, BLOCK_DV])
+        dq = gl.zeros([ROWS, DQ_COLS], gl.float32, dq_layout)
         scores = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)  # S or dP (ignored accumulator input)
         no_modifiers = (0, 0, 0.0, 0.0, 0.0)
 
         for j in range(n_tiles):
             use = j & 1
             k_tile = ring_wait(kv_ready, k_ring, j, BLOCK_N, BLOCK_D, NUM_STAGES)
-            v_tile = v_ring.index(j % NUM_STAGES).reshape([BLOCK_N, BLOCK_D])
-            k_half = k_tile.slice(PART * HALF, HALF, dim=1)
+            k2_tile = k2_ring.index(j % NUM_STAGES).reshape([BLOCK_N, BLOCK_D2])  # (the same barrier)
+            v_tile = v_ring.index(j % NUM_STAGES).reshape([BLOCK_N, BLOCK_DV])
             if PART == 0:
                 scores = warpgroup_mma(q_tile, k_tile.permute((1, 0)), scores, use_acc=False, is_async=True)
+                scores = warpgroup_mma(q2_tile, k2_tile.permute((1, 0)), scores, is_async=True)
                 scores = warpgroup_mma_wait(0, deps=(scores,))
                 # Tiles from unmasked_tiles on are cut by the diagonal or by Nk (q_block_tiles).
                 p, _ = _tile_p(
@@ -391,7 +439,7 @@ if gluon is not None:
                 cta_barrier()
                 mbarrier.arrive(p_ready)
                 mbarrier.wait(ds_ready, use)
-                dq = warpgroup_mma(ds_smem, k_half, dq, is_async=True)
+                dq = warpgroup_mma(ds_smem, k2_tile, dq, is_async=True)
                 dq = warpgroup_mma_wait(0, deps=(dq,))
                 mbarrier.arrive(ds_free)
             else:
@@ -409,65 +457,68 @@ if gluon is not None:
                 mbarrier.arrive(p_free)
                 mbarrier.arrive(ds_ready)
                 ds_op = gl.convert_layout(ds_16, operand_layout)
-                dq = warpgroup_mma(ds_op, k_half, dq, is_async=True)
+                dq = warpgroup_mma(ds_op, k_tile, dq, is_async=True)
                 dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
             mbarrier.arrive(kv_empty.index(j % NUM_STAGES))  # (one arrive per warpgroup: see _dkdv_half)
 
         # Q is read by PART 0's products only; once both loops are done each warpgroup writes its dQ columns there.
         mbarrier.arrive(loop_done)
         mbarrier.wait(loop_done, 0)
-        q_tile.slice(PART * HALF, HALF, dim=1).store((dq * sm_scale).to(DTYPE))
+        if PART == 0:
+            q2_tile.store((dq * sm_scale).to(DTYPE))
+        else:
+            q_tile.store((dq * sm_scale).to(DTYPE))
         fence_async_shared()
         cta_barrier()
         mbarrier.arrive(halves_stored)
 
     @gluon.jit
     def _dq_wide_load_tiles(
-        q_desc, do_desc, k_desc, v_desc, smem, q_bar, kv_ready, kv_empty, batch, head, kv_head, start_m, first_key,
-        n_tiles, NUM_STAGES: gl.constexpr,
+        q_descs, kv_descs, smem, q_bar, kv_ready, kv_empty, batch, head, kv_head, start_m, first_key, n_tiles,
+        NUM_STAGES: gl.constexpr,
     ):  # fmt: skip
-        """The dQ kernel's producer warp: Q and dO of the block, then K and V tile ``j`` into slot ``j %
-        NUM_STAGES`` once both warpgroups have released the slot's previous tiles."""
-        q_smem, do_smem, k_ring, v_ring = smem[0], smem[1], smem[2], smem[3]
-        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma_load(q_desc, [batch, head, start_m, 0], q_bar, q_smem)
-        tma_load(do_desc, [batch, head, start_m, 0], q_bar, do_smem)
+        """The dQ kernel's producer warp: Q (both parts) and dO of the block, then K (both parts) and V of tile
+        ``j`` into slot ``j % NUM_STAGES`` once both warpgroups have released the slot's previous tiles."""
+        BLOCK_N: gl.constexpr = kv_descs[0].block_type.shape[2]
+        _load_three(q_descs, q_bar, (smem[0], smem[1], smem[2]), batch, head, start_m)
         for j in range(n_tiles):
-            mbarrier.wait(kv_empty.index(j % NUM_STAGES), ((j // NUM_STAGES) & 1) ^ 1)
-            ring_load_pair(
-                k_desc, v_desc, kv_ready, k_ring, v_ring, j, batch, kv_head, first_key + j * BLOCK_N, True, NUM_STAGES
-            )  # fmt: skip
+            slot = j % NUM_STAGES
+            mbarrier.wait(kv_empty.index(slot), ((j // NUM_STAGES) & 1) ^ 1)
+            tiles = (smem[3].index(slot), smem[4].index(slot), smem[5].index(slot))
+            _load_three(kv_descs, kv_ready.index(slot), tiles, batch, kv_head, first_key + j * BLOCK_N)
 
     @gluon.jit
     def _dq_wide_scores(
-        smem, bars, scalars, pointers, dq_desc, batch, head, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-        CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        smem, bars, scalars, pointers, dq_descs, batch, head, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+        BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+        IS_FP16: gl.constexpr,
     ):  # fmt: skip
-        """The dQ kernel's default partition: the scores warpgroup's loop, then the TMA store of dQ."""
-        _dq_half(smem, bars, scalars, pointers, 0, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16)
+        """The dQ kernel's default partition: the scores warpgroup's loop, then the TMA stores of dQ's parts."""
+        _dq_half(smem, bars, scalars, pointers, 0, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16)
         mbarrier.wait(bars[8], 0)  # halves_stored
-        tma_store(dq_desc, [batch, head, scalars[0], 0], smem[0])
+        tma_store(dq_descs[0], [batch, head, scalars[0], 0], smem[0])
+        tma_store(dq_descs[1], [batch, head, scalars[0], 0], smem[1])
         tma.store_wait(0)
 
     @gluon.jit
     def _dq_wide_gradients(
-        smem, bars, scalars, pointers, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, CAUSAL: gl.constexpr,
-        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        smem, bars, scalars, pointers, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
+        BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
     ):  # fmt: skip
-        _dq_half(smem, bars, scalars, pointers, 1, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16)
+        _dq_half(smem, bars, scalars, pointers, 1, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16)
 
     @gluon.jit(do_not_specialize=["num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks"])
     def attention_dq_wide_kernel(
-        q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, lse2_ptr, delta_ptr,
+        q_desc, q2_desc, k_desc, k2_desc, v_desc, do_desc, dq_desc, dq2_desc, lse_ptr, lse2_ptr, delta_ptr,
         o_ptr, stride_ob, stride_oh, stride_om, do_ptr, stride_dob, stride_doh, stride_dom,
         num_heads, group_size, seqlen_q, seqlen_k, num_m_blocks, sm_scale, qk_scale,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, CAUSAL: gl.constexpr,
-        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
+        BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
     ):  # fmt: skip
         """dQ (and Delta, lse2) of one block of BLOCK_M = 64 rows of one (batch, head); grid: 1-d, ``num_m_blocks *
         B * H`` programs in ``q_block_tiles``' order, launched with 4 warps (the scores warpgroup) and given the
-        gradients warpgroup and the producer warp by ``gl.warp_specialize``.  o and do are also read through their
+        gradients warpgroup and the producer warp by ``gl.warp_specialize``.  q, k and dq arrive in two column parts
+        (BLOCK_D = 128 and BLOCK_D2 columns), v and do in one of BLOCK_DV; o and do are also read through their
         pointers and strides (Delta), lse (read), lse2 and Delta (written) are ``[B, H, Nq]`` float32 contiguous."""
         gl.static_assert(BLOCK_N == 64 and BLOCK_M == 64, "64-row Q blocks (one warpgroup's M), 64-key tiles")
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
@@ -480,20 +531,22 @@ if gluon is not None:
         o_rows = o_ptr + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
         do_rows = do_ptr + batch.to(gl.int64) * stride_dob + head.to(gl.int64) * stride_doh
 
-        smem, q_bar, kv_ready, kv_empty, exchange_bars, exchange = _wide_buffers(
-            q_desc, do_desc, k_desc, v_desc, NUM_STAGES, DTYPE
-        )  # fmt: skip
+        q_descs = (q_desc, q2_desc, do_desc)
+        kv_descs = (k_desc, k2_desc, v_desc)
+        smem, q_bar, kv_ready, kv_empty, exchange_bars, exchange = _wide_buffers(q_descs, kv_descs, NUM_STAGES, DTYPE)
         p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored = exchange
         bars = (q_bar, kv_ready, kv_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored)
         scalars = (start_m, seqlen_q, seqlen_k, first_key, unmasked_tiles, n_tiles, sm_scale, qk_scale)
         pointers = (o_rows, stride_om, do_rows, stride_dom, lse_ptr, lse2_ptr, delta_ptr, stats)
+        dq_descs = (dq_desc, dq2_desc)
         gl.warp_specialize(
             [
-                (_dq_wide_scores, (smem, bars, scalars, pointers, dq_desc, batch, head, BLOCK_N, BLOCK_D, CAUSAL,
-                                   NUM_STAGES, IS_FP16)),
-                (_dq_wide_gradients, (smem, bars, scalars, pointers, BLOCK_N, BLOCK_D, CAUSAL, NUM_STAGES, IS_FP16)),
-                (_dq_wide_load_tiles, (q_desc, do_desc, k_desc, v_desc, smem, q_bar, kv_ready, kv_empty, batch, head,
-                                       kv_head, start_m, first_key, n_tiles, NUM_STAGES)),
+                (_dq_wide_scores, (smem, bars, scalars, pointers, dq_descs, batch, head, BLOCK_N, BLOCK_D, BLOCK_D2,
+                                   BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16)),
+                (_dq_wide_gradients, (smem, bars, scalars, pointers, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL,
+                                      NUM_STAGES, IS_FP16)),
+                (_dq_wide_load_tiles, (q_descs, kv_descs, smem, q_bar, kv_ready, kv_empty, batch, head, kv_head,
+                                       start_m, first_key, n_tiles, NUM_STAGES)),
             ],
             [4, 1],
             [240, 24],
@@ -502,18 +555,36 @@ if gluon is not None:
         _invalidate_wide(q_bar, kv_ready, kv_empty, exchange_bars, NUM_STAGES)
 
 
+# The (D, Dv) pairs the kernels are built for: q and k in two column parts, 128 + (D - 128); v, do in one tile.
+WIDE_HEAD_DIMS = ((192, 128), (256, 256))
+
+
+def wide_head_dim_parts(head_dim: int) -> tuple[int, int]:
+    """The widths of the two column parts the wide kernels hold q, k and their gradients in: 128 and the rest."""
+    return 128, head_dim - 128
+
+
 def _check_wide_call(
     q: torch.Tensor, v: torch.Tensor, block_m: int, block_n: int, num_stages: int, kernel: str
 ) -> None:  # fmt: skip
-    """ValueError unless D = Dv = 256 and the tiles are 64 x 64 in two ring slots (what both kernels are built for:
-    a third 64 KB slot would not fit the shared memory)."""
-    if q.shape[-1] != 256 or v.shape[-1] != 256:
-        raise ValueError(f"the wide {kernel} kernel takes D = Dv = 256, not D = {q.shape[-1]}, Dv = {v.shape[-1]}")
+    """ValueError unless (D, Dv) is one of ``WIDE_HEAD_DIMS`` and the tiles are 64 x 64 in two ring slots (what both
+    kernels are built for: at D = 256 a third 64 KB slot would not fit the shared memory)."""
+    if (q.shape[-1], v.shape[-1]) not in WIDE_HEAD_DIMS:
+        pairs = ", ".join(f"D = {d}, Dv = {dv}" for d, dv in WIDE_HEAD_DIMS)
+        raise ValueError(
+            f"the wide {kernel} kernel takes {pairs}, not D = {q.shape[-1]}, Dv = {v.shape[-1]}"
+        )  # fmt: skip
     if (block_m, block_n, num_stages) != (64, 64, 2):
         raise ValueError(
             f"block_m={block_m}, block_n={block_n}, num_stages={num_stages}: the wide {kernel} kernel runs 64 x 64 "
             "tiles with two ring slots"
         )
+
+
+def _part_descriptors(x: torch.Tensor, rows: int) -> tuple:
+    """Descriptors of ``x``'s two column parts (views with x's strides, the second one's base 128 columns on)."""
+    first = wide_head_dim_parts(x.shape[-1])[0]
+    return tile_descriptor(x[..., :first], rows), tile_descriptor(x[..., first:], rows)
 
 
 def attention_dkdv_wide_hopper(
@@ -531,21 +602,23 @@ def attention_dkdv_wide_hopper(
     block_n: int = 64,
     num_stages: int = 2,
 ) -> None:
-    """Write ``dk``, ``dv`` ``[B, Hkv, Nk, 256]`` (contiguous, dtype of q; summed over each head group).
+    """Write ``dk`` ``[B, Hkv, Nk, D]`` and ``dv`` ``[B, Hkv, Nk, Dv]`` (contiguous, dtype of q; summed over each
+    head group).
 
-    ``q``, ``do`` ``[B, H, Nq, 256]``, ``k``/``v`` ``[B, Hkv, Nk, 256]`` in the scope that
-    ``KernelVariant.DKDV.gluon_scope`` checks (D = Dv = 256, dense, no score modifiers); ``lse2`` and ``delta``
-    ``[B, H, Nq]`` float32 contiguous, as the dQ kernel writes them."""
+    ``q`` ``[B, H, Nq, D]``, ``do`` ``[B, H, Nq, Dv]``, ``k`` ``[B, Hkv, Nk, D]``, ``v`` ``[B, Hkv, Nk, Dv]`` with
+    (D, Dv) in ``WIDE_HEAD_DIMS``, in the scope that ``KernelVariant.DKDV.gluon_scope`` checks (dense, no score
+    modifiers); ``lse2`` and ``delta`` ``[B, H, Nq]`` float32 contiguous, as the dQ kernel writes them."""
     B, H, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     _check_wide_call(q, v, block_m, block_n, num_stages, "dK/dV")
     num_n_blocks = -(-Nk // block_n)
+    first, second = wide_head_dim_parts(D)
     attention_dkdv_wide_kernel[(num_n_blocks * B * Hkv,)](
-        tile_descriptor(q, block_m), tile_descriptor(k, block_n), tile_descriptor(v, block_n),
-        tile_descriptor(do, block_m), tile_descriptor(dk, block_n), tile_descriptor(dv, block_n), lse2, delta,
+        *_part_descriptors(q, block_m), *_part_descriptors(k, block_n), tile_descriptor(v, block_n),
+        tile_descriptor(do, block_m), *_part_descriptors(dk, block_n), tile_descriptor(dv, block_n), lse2, delta,
         H, Hkv, H // Hkv, Nq, Nk, num_n_blocks, scale, scale * LOG2E,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=D, CAUSAL=causal, NUM_STAGES=num_stages,
-        IS_FP16=q.dtype == torch.float16, num_warps=KERNEL_WARPS,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=first, BLOCK_D2=second, BLOCK_DV=Dv, CAUSAL=causal,
+        NUM_STAGES=num_stages, IS_FP16=q.dtype == torch.float16, num_warps=KERNEL_WARPS,
     )  # fmt: skip
 
 
@@ -565,22 +638,24 @@ def attention_dq_wide_hopper(
     block_n: int = 64,
     num_stages: int = 2,
 ) -> None:
-    """Write ``dq`` ``[B, H, Nq, 256]`` (contiguous, dtype of q), and ``lse2`` (lse * log2(e), +inf on empty rows)
-    and ``delta`` (rowsum(dO * O)) ``[B, H, Nq]`` float32 contiguous for the dK/dV kernel.
+    """Write ``dq`` ``[B, H, Nq, D]`` (contiguous, dtype of q), and ``lse2`` (lse * log2(e), +inf on empty rows) and
+    ``delta`` (rowsum(dO * O)) ``[B, H, Nq]`` float32 contiguous for the dK/dV kernel.
 
-    ``q``, ``o``, ``do`` ``[B, H, Nq, 256]``, ``k``/``v`` ``[B, Hkv, Nk, 256]``, ``lse`` ``[B, H, Nq]`` (natural log,
-    contiguous) in the scope that ``KernelVariant.DQ.gluon_scope`` checks (D = Dv = 256, dense, no modifiers)."""
+    ``q`` ``[B, H, Nq, D]``, ``o``, ``do`` ``[B, H, Nq, Dv]``, ``k`` ``[B, Hkv, Nk, D]``, ``v`` ``[B, Hkv, Nk, Dv]``
+    with (D, Dv) in ``WIDE_HEAD_DIMS``, ``lse`` ``[B, H, Nq]`` (natural log, contiguous) in the scope that
+    ``KernelVariant.DQ.gluon_scope`` checks (dense, no score modifiers)."""
     B, H, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     _check_wide_call(q, v, block_m, block_n, num_stages, "dQ")
     if o.stride(-1) != 1 or do.stride(-1) != 1:
         raise ValueError("o and do must have contiguous rows (last stride 1)")
     num_m_blocks = -(-Nq // block_m)
+    first, second = wide_head_dim_parts(D)
     attention_dq_wide_kernel[(num_m_blocks * B * H,)](
-        tile_descriptor(q, block_m), tile_descriptor(k, block_n), tile_descriptor(v, block_n),
-        tile_descriptor(do, block_m), tile_descriptor(dq, block_m), lse, lse2, delta,
+        *_part_descriptors(q, block_m), *_part_descriptors(k, block_n), tile_descriptor(v, block_n),
+        tile_descriptor(do, block_m), *_part_descriptors(dq, block_m), lse, lse2, delta,
         o, *o.stride()[:3], do, *do.stride()[:3],
         H, H // Hkv, Nq, Nk, num_m_blocks, scale, scale * LOG2E,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=D, CAUSAL=causal, NUM_STAGES=num_stages,
-        IS_FP16=q.dtype == torch.float16, num_warps=KERNEL_WARPS,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=first, BLOCK_D2=second, BLOCK_DV=Dv, CAUSAL=causal,
+        NUM_STAGES=num_stages, IS_FP16=q.dtype == torch.float16, num_warps=KERNEL_WARPS,
     )  # fmt: skip

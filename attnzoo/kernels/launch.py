@@ -229,6 +229,11 @@ class ScoreModifiers:
     alibi: bool
     key: str  # what the tuning key adds ("" without modifiers: dense keys keep their stored winners)
 
+    @property
+    def change_scores(self) -> bool:
+        """A window bound, a soft cap or ALiBi (the key also names a value head dim of its own, which is none)."""
+        return self.window_left_bounded or self.window_right_bounded or self.softcap or self.alibi
+
     @classmethod
     def of(
         cls, problem: Problem, device: torch.device, block_d: int, block_dv: int, bound: int | None = None
@@ -653,7 +658,7 @@ class GluonScope:
             if q.dtype not in HOPPER_DTYPES:
                 reasons.append(f"dtype {q.dtype}: float16 and bfloat16 only")
             reasons.extend(self.head_dim_reasons(*head_dims))
-        reasons.extend(self.plain_head_dim_reasons(*head_dims, call.varlen or bool(call.modifiers.key)))
+        reasons.extend(self.plain_head_dim_reasons(*head_dims, call.varlen or call.modifiers.change_scores))
         if call.has_seqlens:
             reasons.append("seqlens_k: the K/V rows past seqlens_k[b] may hold anything, and TMA cannot zero them")
         if call.varlen and not self.varlen:
@@ -689,32 +694,34 @@ _GLUON_SCOPES = {
         plain_head_dims=((256, 256),),
     ),
     # Its windows, soft cap and ALiBi: tests/test_gpu_score_modifiers.py::test_gluon_dkdv_applies_sliding_windows
-    # and ::test_gluon_dkdv_applies_alibi_and_the_soft_cap.  D = 256 runs the head-dim-split kernel of
-    # backward_gluon_wide.py, on dense calls without modifiers (tests/test_gpu.py::test_gluon_dkdv_at_head_dim_256).
+    # and ::test_gluon_dkdv_applies_alibi_and_the_soft_cap.  D = 256 and D = 192 with Dv = 128 run the head-dim-split
+    # kernel of backward_gluon_wide.py, on dense calls without modifiers (tests/test_gpu.py::test_gluon_dkdv_at_wide_
+    # head_dims).
     KernelVariant.DKDV: GluonScope(
         "backward_gluon.py",
         needs_positive_scale=False,
-        head_dims=((64, 64), (128, 128), (256, 256)),
+        head_dims=((64, 64), (128, 128), (192, 128), (256, 256)),
         extra_tma_operands=("do",),
         window=True,
         softcap=True,
         alibi=True,
         varlen=True,
-        plain_head_dims=((256, 256),),
+        plain_head_dims=((192, 128), (256, 256)),
     ),
     # Its windows, soft cap, ALiBi and packed batches: tests/test_gpu_score_modifiers.py::test_gluon_dq_applies_each_
     # modifier and tests/test_gpu_varlen.py (the gluon configs pinned).
-    # D = 256: the head-dim-split kernel of backward_gluon_wide.py, as for DKDV (test_gluon_dq_at_head_dim_256).
+    # D = 256 and D = 192 with Dv = 128: the head-dim-split kernel of backward_gluon_wide.py, as for DKDV
+    # (test_gluon_dq_at_wide_head_dims).
     KernelVariant.DQ: GluonScope(
         "backward_gluon_dq.py",
         needs_positive_scale=False,
-        head_dims=((64, 64), (128, 128), (256, 256)),
+        head_dims=((64, 64), (128, 128), (192, 128), (256, 256)),
         extra_tma_operands=("do", "o"),  # o is read by pointer loads; the check keeps its rows contiguous
         window=True,
         softcap=True,
         alibi=True,
         varlen=True,
-        plain_head_dims=((256, 256),),
+        plain_head_dims=((192, 128), (256, 256)),
     ),
 }
 # The same kernel with dQ added atomically (the five-product backward, in any or a fixed order): dense calls, checked

@@ -249,8 +249,13 @@ def _shared_memory_limit(device: torch.device) -> int:
 
 def fits_head_dim(kernel: str, cfg: KernelConfig, block_d: int) -> bool:
     """Whether ``cfg`` of ``CANDIDATES[kernel]`` is a candidate at the head-dim tile ``block_d`` at all (before the
-    shared memory): the 128-row Gluon dK/dV tile is one up to 64 only (its accumulators' registers)."""
-    return not (kernel == "dkdv" and cfg.gluon and cfg.block_m > 64 and block_d > 64)
+    shared memory): the 128-row Gluon dK/dV tile is one up to 64 only (its accumulators' registers), and above 128
+    the Gluon dK/dV and dQ kernels are ``backward_gluon_wide``'s, built for 64 x 64 tiles in two ring slots."""
+    if kernel == "dkdv" and cfg.gluon and cfg.block_m > 64 and block_d > 64:
+        return False
+    if kernel in ("dkdv", "dq") and cfg.gluon and block_d > 128:
+        return (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (64, 64, 4, 2)
+    return True
 
 
 def candidates(
