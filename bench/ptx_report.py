@@ -115,9 +115,11 @@ def gluon_source(
     """A Gluon Hopper kernel (a ``gluon`` config of the forward, the dK/dV or the dQ kernel) as its launcher
     (``forward_gluon.attention_forward_hopper``, ``backward_gluon.attention_dkdv_hopper``,
     ``backward_gluon_dq.attention_dq_hopper``) specialises it, and the ``num_warps`` it launches with: descriptors of
-    ``[1, 1, rows, d]`` boxes; the forward's and the dQ kernel's q/o/dO/dQ boxes hold one warpgroup's 64 rows, the
-    dK/dV kernel's q/dO boxes BLOCK_M rows, and every k/v/dK/dV box BLOCK_N (64 in the warp-specialised dK/dV block).
-    ``dv``: the forward's value head dim (v and o boxes; None: ``d``).  ``dtype`` "fp8" (the forward only): e4m3
+    ``[1, 1, rows, d]`` boxes (q/k in two column parts where the forward's D is not a power of two, and in the parts
+    128 + (D - 128) for the backward kernels above D = 128, ``backward_gluon_wide``); the forward's and the dQ
+    kernel's q/o/dO/dQ boxes hold one warpgroup's 64 rows, the dK/dV kernel's q/dO boxes BLOCK_M rows, and every
+    k/v/dK/dV box BLOCK_N (64 in the warp-specialised dK/dV block).  ``dv``: the value head dim of the forward and of
+    the backward above D = 128 (v, o, dO and dV boxes; None: ``d``).  ``dtype`` "fp8" (the forward only): e4m3
     q/k/v boxes, v's as ``[1, 1, Dv, BLOCK_N]`` boxes of its keys-contiguous view, o in bfloat16 (DESCALE)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -130,12 +132,20 @@ def gluon_source(
     )
     from attnzoo.kernels.backward_gluon_dq import attention_dq_hopper_kernel
     from attnzoo.kernels.backward_gluon_wide import (
+        WIDE_HEAD_DIMS,
         attention_dkdv_wide_kernel,
         attention_dq_wide_kernel,
         wide_head_dim_parts,
     )
     from attnzoo.kernels.forward_gluon import KERNEL_WARPS, attention_forward_hopper_kernel
 
+    dv = d if dv is None else dv
+    wide = kernel_name != "forward" and d > 128  # q, k and their gradients in two parts of 128 + (D - 128)
+    if wide and (kernel_name == "atomic" or (d, dv) not in WIDE_HEAD_DIMS):
+        raise SystemExit(
+            f"{kernel_name} at D={d} Dv={dv}: above D = 128 the Gluon backward is backward_gluon_wide's dK/dV and dQ "
+            f"kernels, for (D, Dv) in {WIDE_HEAD_DIMS} (the five-product kernel stops at 128)"
+        )
     if kernel_name == "forward":
         kernel, q_rows, num_warps = attention_forward_hopper_kernel, 64, KERNEL_WARPS
     elif kernel_name == "dq" and d > 128:  # the head-dim-split kernel (backward_gluon_wide)
@@ -152,8 +162,6 @@ def gluon_source(
 
     from attnzoo.kernels.gluon_hopper import dq_stage_slots, head_dim_parts
 
-    dv = d if dv is None else dv
-    wide = kernel_name != "forward" and d > 128  # q, k and their gradients in two parts of 128 + (D - 128)
     d_first, d_second = head_dim_parts(d) if kernel_name == "forward" else wide_head_dim_parts(d) if wide else (d, 0)
 
     fp8 = dtype == "fp8"

@@ -289,6 +289,20 @@ def test_gluon_dq_at_wide_head_dims(dims):
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
 
+def test_a_pinned_gluon_tile_the_wide_kernels_lack_runs_its_triton_twin():
+    """Above D = 128 the Gluon backward kernels have one tile (64 x 64, two ring slots): a pinned ``gluon`` config of
+    other tiles runs the Triton kernel with those tiles, as a gluon config outside the Gluon scope does, and its
+    gradients are within SPEC.md's bound of the float64 oracle (not a refusal)."""
+    _needs_hopper()
+    forced = {"dq": KernelConfig.parse("64x64 w4 s3 gluon"), "dkdv": KernelConfig.parse("64x128 w8 s2 gluon")}
+    dtype, B, H, Hkv, Nq, Nk, causal = HEAD_DIM_256_CASES[1]
+    x = random_inputs(B, H, Hkv, Nq, Nk, 192, dtype=dtype, device=CUDA, seed=7, head_dim_v=128)
+    call = _prepared(x.q, x.k, x.v, 192**-0.5, causal, forced=forced)
+    o, lse = attention_forward(call)
+    dq, dk, dv = attention_backward_2kernel(call, x.do, o, lse)
+    _check_gradients(f"pinned {forced}", x.q, x.k, x.v, x.do, causal, o, dq, dk, dv)
+
+
 @pytest.mark.parametrize("cfg", [c for c in CANDIDATES["dq"] if c.gluon], ids=str)
 def test_gluon_hopper_dq_against_oracle(cfg):
     """Each ``gluon`` dQ candidate runs the Gluon kernel on these inputs (not its Triton twin): dq within SPEC.md's

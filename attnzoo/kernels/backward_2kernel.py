@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 from triton.compiler.errors import CompilationError
 
+from . import tuning
 from .backward_gluon import attention_dkdv_hopper
 from .backward_gluon_dq import attention_dq_hopper
 from .backward_gluon_wide import attention_dkdv_wide_hopper, attention_dq_wide_hopper
@@ -374,8 +375,13 @@ def attention_backward_2kernel(
     hopper_dq = not call.gluon_reasons(KernelVariant.DQ, do, o)
     modifiers = call.modifiers
 
+    def gluon_runs(cfg, kernel: str) -> bool:
+        # Above D = 128 the Gluon kernels are backward_gluon_wide's, of one tile: another pinned gluon config runs
+        # its Triton twin, as a gluon config outside the scope does (the tuner never offers one, fits_head_dim).
+        return cfg.gluon and (call.problem.head_dim <= 128 or tuning.fits_head_dim(kernel, cfg, call.block_d))
+
     def launch_dkdv(cfg) -> None:
-        if cfg.gluon and hopper_dkdv:
+        if hopper_dkdv and gluon_runs(cfg, "dkdv"):
             try:
                 if call.problem.head_dim > 128:  # (the scope: backward_gluon_wide's head dims, dense, no modifiers)
                     attention_dkdv_wide_hopper(
@@ -405,7 +411,7 @@ def attention_backward_2kernel(
         )  # fmt: skip
 
     def launch_dq(cfg) -> None:
-        if cfg.gluon and hopper_dq:
+        if hopper_dq and gluon_runs(cfg, "dq"):
             try:
                 if call.problem.head_dim > 128:  # (as in launch_dkdv)
                     attention_dq_wide_hopper(
