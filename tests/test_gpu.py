@@ -243,28 +243,32 @@ def test_gluon_hopper_dkdv_against_oracle(cfg):
         _report(f"[gluon dkdv] {cfg} {str(dtype)[6:]} N={Nq}x{Nk} D={D} causal={causal} {layout}: {errors}")
 
 
-# The head dims of the head-dim-split backward kernels (backward_gluon_wide.py): (D, Dv).
+# The head dims of the head-dim-split backward kernels (backward_gluon_wide.py): (D, Dv); their cases, contiguous
+# and once with heads and rows transposed ([B, N, H, D] memory: the column parts' descriptors on strided views).
 WIDE_HEAD_DIMS = [(256, 256), (192, 128)]
+WIDE_CASES = [(case, "contiguous") for case in HEAD_DIM_256_CASES] + [(HEAD_DIM_256_CASES[1], "bnhd")]
 
 
 @pytest.mark.parametrize("dims", WIDE_HEAD_DIMS, ids=lambda dims: f"D{dims[0]}-Dv{dims[1]}")
 def test_gluon_dkdv_at_wide_head_dims(dims):
     """D = Dv = 256 and D = 192 with Dv = 128 run the head-dim-split dK/dV kernel (``backward_gluon_wide.py``: two
     warpgroups exchanging P^T and dS^T through shared memory, q and k in two column parts) through the launch layer:
-    dk and dv (and dq, from the dQ kernel beside it) within SPEC.md's bound of the float64 oracle on the
-    HEAD_DIM_256_CASES (Q and K/V tails, one query row, GQA summed, Nq != Nk, causal), every element written
+    dk and dv (and dq, from the dQ kernel beside it) within SPEC.md's bound of the float64 oracle on the WIDE_CASES
+    (Q and K/V tails, one query row, GQA summed, Nq != Nk, causal, a [B, N, H, D] layout), every element written
     (NaN-filled first, conftest)."""
     _needs_hopper()
     D, Dv = dims
     cfg = KernelConfig.parse("64x64 w4 s2 gluon")
-    for dtype, B, H, Hkv, Nq, Nk, causal in HEAD_DIM_256_CASES:
-        x = random_inputs(B, H, Hkv, Nq, Nk, D, dtype=dtype, device=CUDA, seed=Nq + Nk + D + 1, head_dim_v=Dv)
+    for (dtype, B, H, Hkv, Nq, Nk, causal), layout in WIDE_CASES:
+        x = random_inputs(
+            B, H, Hkv, Nq, Nk, D, dtype=dtype, device=CUDA, seed=Nq + Nk + D + 1, head_dim_v=Dv, layout=layout
+        )  # fmt: skip
         do = x.do
         call = _prepared(x.q, x.k, x.v, D**-0.5, causal, forced={"dkdv": cfg})
         assert not call.gluon_reasons(KernelVariant.DKDV, do), call.gluon_reasons(KernelVariant.DKDV, do)
         o, lse = attention_forward(call)
         dq, dk, dv = attention_backward_2kernel(call, do, o, lse)
-        label = f"{cfg} {dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D={D} Dv={Dv} causal={causal}"
+        label = f"{cfg} {dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D={D} Dv={Dv} causal={causal} {layout}"
         _report(f"[gluon dkdv wide] {label}: {_check_gradients(label, x.q, x.k, x.v, do, causal, o, dq, dk, dv)}")
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
@@ -273,18 +277,19 @@ def test_gluon_dkdv_at_wide_head_dims(dims):
 def test_gluon_dq_at_wide_head_dims(dims):
     """D = Dv = 256 and D = 192 with Dv = 128 run the head-dim-split dQ kernel (``backward_gluon_wide.py``) through
     the launch layer, beside the Triton dK/dV tile that reads the Delta and lse2 it writes: dq, dk and dv within
-    SPEC.md's bound of the float64 oracle on the HEAD_DIM_256_CASES, every element written (NaN-filled first,
-    conftest)."""
+    SPEC.md's bound of the float64 oracle on the WIDE_CASES, every element written (NaN-filled first, conftest)."""
     _needs_hopper()
     D, Dv = dims
     forced = {"dq": KernelConfig.parse("64x64 w4 s2 gluon"), "dkdv": KernelConfig.parse("64x32 w8 s2")}
-    for dtype, B, H, Hkv, Nq, Nk, causal in HEAD_DIM_256_CASES:
-        x = random_inputs(B, H, Hkv, Nq, Nk, D, dtype=dtype, device=CUDA, seed=Nq + Nk + D + 2, head_dim_v=Dv)
+    for (dtype, B, H, Hkv, Nq, Nk, causal), layout in WIDE_CASES:
+        x = random_inputs(
+            B, H, Hkv, Nq, Nk, D, dtype=dtype, device=CUDA, seed=Nq + Nk + D + 2, head_dim_v=Dv, layout=layout
+        )  # fmt: skip
         call = _prepared(x.q, x.k, x.v, D**-0.5, causal, forced=forced)
         o, lse = attention_forward(call)
         assert not call.gluon_reasons(KernelVariant.DQ, x.do, o), call.gluon_reasons(KernelVariant.DQ, x.do, o)
         dq, dk, dv = attention_backward_2kernel(call, x.do, o, lse)
-        label = f"{dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D={D} Dv={Dv} causal={causal}"
+        label = f"{dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D={D} Dv={Dv} causal={causal} {layout}"
         _report(f"[gluon dq wide] {label}: {_check_gradients(label, x.q, x.k, x.v, x.do, causal, o, dq, dk, dv)}")
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
