@@ -4,6 +4,10 @@ SDPA's cuDNN and FlashAttention kernels, timed in alternating rounds in one proc
 medians, gradients reset between calls).
 
     PYTHONPATH=$PWD python3 bench/wide_backward_ab.py --out bench/results/h100_d192_wide_bwd.csv
+    PYTHONPATH=$PWD python3 bench/wide_backward_ab.py --window 1024 --out bench/results/h100_wide_bwd_window.csv
+
+``--window W``: causal calls with ``window=(W, 0)`` (a sliding window, as Gemma's local layers at D = 256 have) at
+the shapes with N >= 8k, against the Triton tiles (SDPA has no window).
 
 Useful FLOPs as in ``attnzoo.bench.modifiers``: the forward ``2 * pairs * (D + Dv)``, the backward 2.5x that (pairs:
 the visible (query, key) pairs; half of N^2 with a causal mask).  An impl that cannot run a shape (SDPA's
@@ -34,10 +38,10 @@ def _triton_2kernel(dkdv: str, dq: str) -> attnzoo.Backend:
     return attnzoo.get("triton_2kernel", configs={"dkdv": KernelConfig.parse(dkdv), "dq": KernelConfig.parse(dq)})
 
 
-def _runner(impl, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+def _runner(impl, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: tuple | None = None):
     """A forward call of ``impl`` (an attnzoo Backend, or "cudnn" / "flash" for SDPA's kernels) on these inputs."""
     if isinstance(impl, attnzoo.Backend):
-        return lambda: attnzoo.attention(q, k, v, causal=causal, backend=impl)
+        return lambda: attnzoo.attention(q, k, v, causal=causal, window=window, backend=impl)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[impl]
@@ -65,21 +69,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench/results/h100_d192_wide_bwd.csv")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--window", type=int, default=None, help="causal calls with window=(W, 0), N >= 8k")
     args = parser.parse_args()
+    window = None if args.window is None else (args.window, 0)
     rows = []
     for index, (dtype, D, Dv, N) in enumerate(SHAPES):
-        for causal in (False, True):
+        if window is not None and N < 8192:
+            continue
+        for causal in (False, True) if window is None else (True,):
             B, H = max(1, 16384 // N), 16
             gen = torch.Generator(device="cuda").manual_seed(index * 2 + causal)
             q, k = (torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
             v = torch.randn(B, H, N, Dv, device="cuda", dtype=dtype, generator=gen)
             inputs = [x.requires_grad_() for x in (q, k, v)]
             impls = {"gluon_wide": _triton_2kernel("64x64 w4 s2 gluon", "64x64 w4 s2 gluon")}
-            if D == 192:  # (at D = 256 the Triton tiles ran 0.42-0.48x cuDNN: docs/design.md)
-                # The untimed picks at D = 192 outside the Gluon scope (tests/test_triton.py).
+            # The untimed picks outside the Gluon scope (tests/test_triton.py); at D = 256 they ran the backward at
+            # 0.42-0.48x cuDNN (docs/design.md), timed only beside a window.
+            if D == 192:
                 impls["triton_tiles"] = _triton_2kernel("32x128 w8 s3", "64x64 w4 s3 tma")
-            impls.update(sdpa_cudnn="cudnn", sdpa_flash="flash")
-            runs = {name: _runner(impl, *inputs, causal) for name, impl in impls.items()}
+            elif window is not None:
+                impls["triton_tiles"] = _triton_2kernel("64x32 w8 s2", "64x32 w4 s2")
+            if window is None:
+                impls.update(sdpa_cudnn="cudnn", sdpa_flash="flash")
+            runs = {name: _runner(impl, *inputs, causal, window) for name, impl in impls.items()}
             times = {name: [] for name in runs}
             for r in range(args.rounds):
                 for name in list(runs) if r % 2 == 0 else list(runs)[::-1]:
@@ -90,18 +102,24 @@ def main() -> None:
                     except RuntimeError as error:  # no kernel for this shape
                         print(f"{name} D={D} Dv={Dv}: {str(error).splitlines()[0]}")
                         times.pop(name)
-            flops = 2 * B * H * N * N * (D + Dv) * (0.5 if causal else 1.0)
+            if window is None:
+                pairs = N * N * (0.5 if causal else 1.0)
+            else:  # row i sees keys i - W .. i
+                pairs = N * (window[0] + 1) - window[0] * (window[0] + 1) / 2
+            flops = 2 * B * H * pairs * (D + Dv)
             cudnn_ms = statistics.median(t[1] for t in times["sdpa_cudnn"]) if "sdpa_cudnn" in times else None
             for name, timings in times.items():
                 fwd, bwd = (statistics.median(t[i] for t in timings) for i in (0, 1))
                 rows.append(dict(
-                    dtype=str(dtype)[6:], D=D, Dv=Dv, N=N, causal=causal, impl=name, fwd_ms=fwd, bwd_ms=bwd,
+                    dtype=str(dtype)[6:], D=D, Dv=Dv, N=N, causal=causal, window=args.window or "", impl=name,
+                    fwd_ms=fwd, bwd_ms=bwd,
                     fwd_tflops=flops / fwd / 1e9, bwd_tflops=2.5 * flops / bwd / 1e9,
                     bwd_rounds=" ".join(f"{t[1]:.3f}" for t in timings),
                 ))  # fmt: skip
                 ratio = f"{cudnn_ms / bwd:.2f}x cuDNN" if cudnn_ms else "no cuDNN"
                 print(
-                    f"{rows[-1]['dtype']} D={D} Dv={Dv} N={N} causal={causal} {name}: backward {bwd:.3f} ms, "
+                    f"{rows[-1]['dtype']} D={D} Dv={Dv} N={N} causal={causal} window={window} {name}: forward "
+                    f"{fwd:.3f} ms, backward {bwd:.3f} ms, "
                     f"{rows[-1]['bwd_tflops']:.0f} TFLOP/s, {ratio}", flush=True
                 )  # fmt: skip
     with open(args.out, "w", newline="") as fh:

@@ -171,24 +171,33 @@ HEAD_DIM_256_CASES = [
     (torch.float16, 1, 2, 2, 1, 300, True),
     (torch.bfloat16, 1, 4, 2, 300, 100, True),
 ]
+# Windows at these head dims (the Gluon forward and the wide backward kernels take them): a causal sliding window
+# (its left edge cuts tiles), a two-sided band with Nq != Nk, and a band below the diagonal (rows that see no key).
+WINDOW_256_CASES = [
+    ((torch.bfloat16, 1, 4, 2, 700, 700, True), (100, 0)),
+    ((torch.float16, 2, 2, 1, 333, 500, False), (60, 90)),
+    ((torch.bfloat16, 1, 2, 2, 300, 300, False), (None, -40)),
+]
 
 
 @pytest.mark.parametrize("cfg", [c for c in CANDIDATES["forward"] if c.gluon], ids=str)
 def test_gluon_forward_at_head_dim_256(cfg):
     """D = Dv = 256 through the launch layer with each Gluon config that the tuner keeps there (the others do not
-    fit the shared memory): the Gluon kernel runs (not its Triton twin), o and lse within SPEC.md's bound of the
-    float64 oracle, every element written."""
+    fit the shared memory), with and without windows: the Gluon kernel runs (not its Triton twin), o and lse within
+    SPEC.md's bound of the float64 oracle, every element written."""
     _needs_hopper()
-    for dtype, B, H, Hkv, Nq, Nk, causal in HEAD_DIM_256_CASES:
+    for (dtype, B, H, Hkv, Nq, Nk, causal), window in [(c, None) for c in HEAD_DIM_256_CASES] + WINDOW_256_CASES:
         if cfg not in tuning.candidates("forward", 256, dtype, torch.device(CUDA), gluon_head_dims=(256, 256)):
             pytest.skip(f"{cfg} does not fit the shared memory at D = 256 (the tuner drops it)")
         x = random_inputs(B, H, Hkv, Nq, Nk, 256, dtype=dtype, device=CUDA, seed=Nq + Nk)
-        call = _prepared(x.q, x.k, x.v, 256**-0.5, causal, forced={"forward": cfg})
+        problem = validate_forward(x.q, x.k, x.v, causal, 256**-0.5, window=window)
+        call = prepare(x.q, x.k, x.v, problem, forced={"forward": cfg})
         assert not call.gluon_reasons(KernelVariant.FORWARD), call.gluon_reasons(KernelVariant.FORWARD)
         o, lse = attention_forward(call)
-        checks = oracle_for(AttentionInputs(x.q, x.k, x.v, None, None), causal, device=CUDA).check({"o": o, "lse": lse})
-        for name, check in checks.items():
-            assert check.ok, f"{cfg} {dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} causal={causal}: {name}: {check.message}"
+        judge = oracle_for(AttentionInputs(x.q, x.k, x.v, None, None), causal, window=window, device=CUDA)
+        for name, check in judge.check({"o": o, "lse": lse}).items():
+            label = f"{cfg} {dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} causal={causal} window={window}"
+            assert check.ok, f"{label}: {name}: {check.message}"
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
 
@@ -214,10 +223,10 @@ def test_persistent_gluon_forward_runs_several_q_blocks_per_program(dtype):
             assert check.ok, f"{dtype} causal={causal} window={window} N={N} D={D}: {name}: {check.message}"
 
 
-def _check_gradients(label: str, q, k, v, do, causal, o, dq, dk, dv) -> str:
+def _check_gradients(label: str, q, k, v, do, causal, o, dq, dk, dv, window=None) -> str:
     """dq, dk and dv within SPEC.md's bound of the float64 oracle (stored o's contract term); -> the errors/bounds
     as a report text.  ``label`` names the case in a failure."""
-    judge = oracle_for(AttentionInputs(q, k, v, do, None), causal, device=CUDA)
+    judge = oracle_for(AttentionInputs(q, k, v, do, None), causal, window=window, device=CUDA)
     errors = []
     for name, check in judge.check({"dq": dq, "dk": dk, "dv": dv}, stored_o=o).items():
         assert check.ok, f"{label}: {name}: {check.message}"
@@ -243,10 +252,15 @@ def test_gluon_hopper_dkdv_against_oracle(cfg):
         _report(f"[gluon dkdv] {cfg} {str(dtype)[6:]} N={Nq}x{Nk} D={D} causal={causal} {layout}: {errors}")
 
 
-# The head dims of the head-dim-split backward kernels (backward_gluon_wide.py): (D, Dv); their cases, contiguous
-# and once with heads and rows transposed ([B, N, H, D] memory: the column parts' descriptors on strided views).
+# The head dims of the head-dim-split backward kernels (backward_gluon_wide.py): (D, Dv); their cases (case, layout,
+# window), contiguous, once with heads and rows transposed ([B, N, H, D] memory: the column parts' descriptors on
+# strided views), and the windows.
 WIDE_HEAD_DIMS = [(256, 256), (192, 128)]
-WIDE_CASES = [(case, "contiguous") for case in HEAD_DIM_256_CASES] + [(HEAD_DIM_256_CASES[1], "bnhd")]
+WIDE_CASES = (
+    [(case, "contiguous", None) for case in HEAD_DIM_256_CASES]
+    + [(HEAD_DIM_256_CASES[1], "bnhd", None)]
+    + [(case, "contiguous", window) for case, window in WINDOW_256_CASES]
+)
 
 
 @pytest.mark.parametrize("dims", WIDE_HEAD_DIMS, ids=lambda dims: f"D{dims[0]}-Dv{dims[1]}")
@@ -254,22 +268,24 @@ def test_gluon_dkdv_at_wide_head_dims(dims):
     """D = Dv = 256 and D = 192 with Dv = 128 run the head-dim-split dK/dV kernel (``backward_gluon_wide.py``: two
     warpgroups exchanging P^T and dS^T through shared memory, q and k in two column parts) through the launch layer:
     dk and dv (and dq, from the dQ kernel beside it) within SPEC.md's bound of the float64 oracle on the WIDE_CASES
-    (Q and K/V tails, one query row, GQA summed, Nq != Nk, causal, a [B, N, H, D] layout), every element written
-    (NaN-filled first, conftest)."""
+    (Q and K/V tails, one query row, GQA summed, Nq != Nk, causal, a [B, N, H, D] layout, windows), every element
+    written (NaN-filled first, conftest)."""
     _needs_hopper()
     D, Dv = dims
     cfg = KernelConfig.parse("64x64 w4 s2 gluon")
-    for (dtype, B, H, Hkv, Nq, Nk, causal), layout in WIDE_CASES:
+    for (dtype, B, H, Hkv, Nq, Nk, causal), layout, window in WIDE_CASES:
         x = random_inputs(
             B, H, Hkv, Nq, Nk, D, dtype=dtype, device=CUDA, seed=Nq + Nk + D + 1, head_dim_v=Dv, layout=layout
         )  # fmt: skip
         do = x.do
-        call = _prepared(x.q, x.k, x.v, D**-0.5, causal, forced={"dkdv": cfg})
+        problem = validate_forward(x.q, x.k, x.v, causal, D**-0.5, window=window)
+        call = prepare(x.q, x.k, x.v, problem, forced={"dkdv": cfg})
         assert not call.gluon_reasons(KernelVariant.DKDV, do), call.gluon_reasons(KernelVariant.DKDV, do)
         o, lse = attention_forward(call)
         dq, dk, dv = attention_backward_2kernel(call, do, o, lse)
-        label = f"{cfg} {dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D={D} Dv={Dv} causal={causal} {layout}"
-        _report(f"[gluon dkdv wide] {label}: {_check_gradients(label, x.q, x.k, x.v, do, causal, o, dq, dk, dv)}")
+        label = f"{cfg} {dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D={D} Dv={Dv} causal={causal} {layout} window={window}"
+        errors = _check_gradients(label, x.q, x.k, x.v, do, causal, o, dq, dk, dv, window)
+        _report(f"[gluon dkdv wide] {label}: {errors}")
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
 
@@ -281,16 +297,17 @@ def test_gluon_dq_at_wide_head_dims(dims):
     _needs_hopper()
     D, Dv = dims
     forced = {"dq": KernelConfig.parse("64x64 w4 s2 gluon"), "dkdv": KernelConfig.parse("64x32 w8 s2")}
-    for (dtype, B, H, Hkv, Nq, Nk, causal), layout in WIDE_CASES:
+    for (dtype, B, H, Hkv, Nq, Nk, causal), layout, window in WIDE_CASES:
         x = random_inputs(
             B, H, Hkv, Nq, Nk, D, dtype=dtype, device=CUDA, seed=Nq + Nk + D + 2, head_dim_v=Dv, layout=layout
         )  # fmt: skip
-        call = _prepared(x.q, x.k, x.v, D**-0.5, causal, forced=forced)
+        call = prepare(x.q, x.k, x.v, validate_forward(x.q, x.k, x.v, causal, D**-0.5, window=window), forced=forced)
         o, lse = attention_forward(call)
         assert not call.gluon_reasons(KernelVariant.DQ, x.do, o), call.gluon_reasons(KernelVariant.DQ, x.do, o)
         dq, dk, dv = attention_backward_2kernel(call, x.do, o, lse)
-        label = f"{dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D={D} Dv={Dv} causal={causal} {layout}"
-        _report(f"[gluon dq wide] {label}: {_check_gradients(label, x.q, x.k, x.v, x.do, causal, o, dq, dk, dv)}")
+        label = f"{dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D={D} Dv={Dv} causal={causal} {layout} window={window}"
+        errors = _check_gradients(label, x.q, x.k, x.v, x.do, causal, o, dq, dk, dv, window)
+        _report(f"[gluon dq wide] {label}: {errors}")
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
 

@@ -79,6 +79,9 @@ CASES = {
     "alibi-heads": (2, 4, 2, 220, 300, 64, 64, True, None, None, 0.0, "heads"),
     "alibi-batch-heads": (2, 2, 1, 199, 199, 128, 128, False, [199, 57], (80, 80), 0.0, "batch-heads"),
     "Dv-128-D-192": (1, 4, 2, 260, 260, 192, 128, True, None, None, 0.0, None),
+    # Windows above D = 128 (the head-dim-split Gluon backward kernels and the D = 256 Gluon forward take them).
+    "window-Dv-128-D-192": (2, 4, 2, 300, 300, 192, 128, True, None, (64, 0), 0.0, None),
+    "window-both-sides-D-256": (1, 2, 1, 333, 400, 256, 256, False, None, (50, 70), 0.0, None),
     "Dv-128-D-64": (2, 2, 1, 200, 230, 64, 128, True, [230, 31], (50, 0), 0.0, None),
     "everything": (2, 4, 2, 280, 310, 96, 80, True, [310, 120], (70, -3), 15.0, "batch-heads"),
     # No seqlens_k: the forward runs the Gluon kernel (half of its exp2s on the FMA units with a soft cap) and the

@@ -213,14 +213,14 @@ def test_the_warp_specialised_forward_holds_a_256_column_o_above_the_launch_regi
 def test_the_wide_backward_kernels_split_the_head_dim_between_warpgroups(kernel, dims):
     """The dQ and dK/dV kernels above D = 128 (``backward_gluon_wide.py``: D = Dv = 256, and D = 192 with Dv = 128)
     split the head dim between two warpgroups, which ``setmaxnreg`` raises to 240 registers above the 168 of the
-    launch (the D = 192 dQ kernel's code uses fewer): full and causal builds compile, their products unserialised
-    (``_ptx_report``), without spills but for a few words of the D = 256 dQ kernel (112-116 B in Triton 3.9's
-    ptxas)."""
+    launch (the D = 192 dQ kernel's code uses fewer): full and causal builds, with and without a window's left
+    edge, compile, their products unserialised (``_ptx_report``), without spills but for a few words of the D = 256
+    dQ kernel (112-128 B in Triton 3.9's ptxas)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     d, dv = dims
-    for causal in ((), ("--causal",)):
+    for causal, window in itertools.product(((), ("--causal",)), ((), ("--modifiers", "window"))):
         (line,) = _ptx_report(
-            "--kernel", kernel, "--d", str(d), "--dv", str(dv), "--config", "64,64,4,2,gluon", *causal
+            "--kernel", kernel, "--d", str(d), "--dv", str(dv), "--config", "64,64,4,2,gluon", *causal, *window
         )  # fmt: skip
         found = re.search(r"(\d+) registers \(setmaxnreg ([\d/]+); (\d+) used in the code\)", line)
         assert found, line

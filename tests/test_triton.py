@@ -266,19 +266,19 @@ def test_the_gluon_scopes_name_the_modifiers_their_kernels_lack(variant, modifie
     assert scope.modifier_reasons(prepare(q, k, k, validate_forward(q, k, k)).modifiers) == []
 
 
-def test_a_value_head_dim_of_its_own_is_no_score_modifier():
-    """D = 192 with Dv = 128 names its v tile in the tuning key, but changes no score: a dense call of it counts as
-    unmodified where a Gluon scope takes some head dims on plain calls only (the backward's wide kernels); a window,
-    a soft cap or ALiBi does change the scores."""
+def test_only_a_soft_cap_or_alibi_adds_a_term_to_every_score():
+    """Where a Gluon scope takes some head dims on dense calls with a window at most (``plain_head_dims``: the wide
+    backward kernels, the D = 256 forward), the soft cap and ALiBi keep a call off the Gluon kernel, while a window
+    (a mask) and a value head dim of its own (which the tuning key names: D = 192, Dv = 128) do not."""
     q, k, v, _, _ = _inputs(1, 2, 2, 64, 64, 192, None, dtype=torch.float16)
     v = v[..., :128].contiguous()
     plain = prepare(q, k, v, validate_forward(q, k, v)).modifiers
-    assert "BLOCK_DV=128" in plain.key and not plain.change_scores
-    for modifier in (dict(window=(8, 0), causal=True), dict(softcap=5.0), dict(alibi_slopes=torch.ones(2))):
+    assert "BLOCK_DV=128" in plain.key and not plain.score_terms
+    windowed = prepare(q, k, v, validate_forward(q, k, v, causal=True, window=(8, 0))).modifiers
+    assert windowed.window_left_bounded and not windowed.score_terms
+    for modifier in (dict(softcap=5.0), dict(alibi_slopes=torch.ones(2))):
         modifier = {key: val.to(DEVICE) if isinstance(val, torch.Tensor) else val for key, val in modifier.items()}
-        assert prepare(q, k, v, validate_forward(q, k, v, **modifier)).modifiers.change_scores, modifier
-    # A window that the causal mask already implies adds no bound.
-    assert not prepare(q, k, v, validate_forward(q, k, v, causal=True, window=(None, 0))).modifiers.change_scores
+        assert prepare(q, k, v, validate_forward(q, k, v, **modifier)).modifiers.score_terms, modifier
 
 
 @pytest.mark.parametrize(

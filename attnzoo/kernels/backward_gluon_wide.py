@@ -39,13 +39,19 @@ N = 2k-16k, causal or not) the backward at 314-387 TFLOP/s, 0.99-1.07x cuDNN's, 
 every D = 256 key (the Triton tiles took 1.63-1.98x (dQ) and 2.56-3.14x (dK/dV) their time); at D = 192, Dv = 128
 247-313 TFLOP/s, 1.40-1.82x the Triton tiles, 1.09-1.11x cuDNN without a mask and 0.66-0.73x with the causal one.
 
+Sliding windows take the D <= 128 kernels' loop bounds (``q_loop_bounds``, ``q_block_tiles``): tiles outside the
+band are never loaded, and the scores warpgroup masks P in those an edge cuts.  With a 1024-key causal window the
+backward ran 2.04-2.30x the Triton tiles' (``bench/results/h100_wide_bwd_window.csv``).
+
 Scope (``KernelVariant.DKDV`` and ``KernelVariant.DQ`` ``gluon_scope``, ``plain_head_dims``): ``WIDE_HEAD_DIMS``,
-dense calls, causal or not, GQA; no score modifiers or packed batches (those run the Triton tiles).  The
+dense calls, causal or not, windows, GQA; no soft cap, ALiBi or packed batches (those run the Triton tiles).  The
 five-product backward has no block above D = 128: ``triton_atomic`` runs its Triton kernel there (and,
 deterministic, this backward).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -66,6 +72,9 @@ from .gluon_hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+if TYPE_CHECKING:
+    from .launch import ScoreModifiers
 
 if gluon is not None:
     # The other Gluon kernels' helpers (defined only where Gluon is).
@@ -142,7 +151,7 @@ if gluon is not None:
     def _dkdv_half(
         smem, bars, scalars, stats, stats_at, PART: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
         BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr,
-        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
     ):  # fmt: skip
         """The loop of one warpgroup (the module docstring's table): PART 0 the scores warpgroup, PART 1 the
         gradients warpgroup; each accumulates its columns of dK (PART 0 the second part's BLOCK_D2, PART 1 the
@@ -151,11 +160,13 @@ if gluon is not None:
 
         ``smem = (k_smem, k2_smem, v_smem, q_ring, q2_ring, do_ring, pt_smem, ds_smem)``; ``bars = (q_do_bars,
         q_do_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored)``; ``scalars = (lo, unmasked_lo,
-        n_iters, tiles_per_head, start_n, diagonal_offset, sm_scale, qk_scale)``; ``stats = (lse2_ptr,
-        delta_ptr)``."""
+        unmasked_hi, n_iters, tiles_per_head, start_n, diagonal_offset, window_left, window_right, sm_scale,
+        qk_scale)``: Q tiles below ``unmasked_lo`` or from ``unmasked_hi`` on take the mask (``q_loop_bounds``);
+        ``stats = (lse2_ptr, delta_ptr)``."""
         k_smem, k2_smem, v_smem, q_ring, q2_ring, do_ring, pt_smem, ds_smem = smem
         q_do_bars, q_do_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored = bars
-        lo, unmasked_lo, n_iters, tiles_per_head, start_n, diagonal_offset, sm_scale, qk_scale = scalars
+        (lo, unmasked_lo, unmasked_hi, n_iters, tiles_per_head, start_n, diagonal_offset, window_left, window_right,
+         sm_scale, qk_scale) = scalars  # fmt: skip
         lse2_ptr, delta_ptr = stats
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
         DK_COLS: gl.constexpr = BLOCK_D2 if PART == 0 else BLOCK_D
@@ -196,9 +207,15 @@ if gluon is not None:
                 scores = warpgroup_mma(k2_tile, q2_tile.permute((1, 0)), scores, is_async=True)
                 scores = warpgroup_mma_wait(0, deps=(scores,))
                 p_t = gl.exp2(scores * qk_scale - lse2[None, :])
-                if CAUSAL:  # noqa: SIM102 - a compile-time branch around a runtime one
-                    if start_m < unmasked_lo:  # the tiles that the diagonal cuts
-                        visible = _visible_t(keys, rows, diagonal_offset, 0, 0, CAUSAL, False, False)
+                if CAUSAL or WINDOW_LEFT or WINDOW_RIGHT:
+                    if WINDOW_LEFT:  # the tiles that the diagonal (or the window's right edge) or its left edge cuts
+                        cut = (start_m < unmasked_lo) | (start_m >= unmasked_hi)
+                    else:
+                        cut = start_m < unmasked_lo
+                    if cut:
+                        visible = _visible_t(
+                            keys, rows, diagonal_offset, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT
+                        )  # fmt: skip
                         p_t = gl.where(visible, p_t, 0.0)
                 p_16 = p_t.to(DTYPE)
                 # The gradients warpgroup has read the previous P^T (its dS^T and its dV product are done).
@@ -266,15 +283,16 @@ if gluon is not None:
     def _dkdv_wide_scores(
         smem, bars, kv_bar, scalars, stats, stats_at, out_descs, batch, kv_head,
         BLOCK_M: gl.constexpr, KEYS: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
-        BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
     ):  # fmt: skip
         """The default partition: the scores warpgroup's loop, then the TMA stores of dK's parts and dV
         (``out_descs``) once both warpgroups have written their columns."""
         mbarrier.wait(kv_bar, 0)
         _dkdv_half(smem, bars, scalars, stats, stats_at, 0, BLOCK_M, KEYS, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL,
-                   NUM_STAGES, IS_FP16)  # fmt: skip
+                   WINDOW_LEFT, WINDOW_RIGHT, NUM_STAGES, IS_FP16)  # fmt: skip
         mbarrier.wait(bars[7], 0)  # halves_stored: both warpgroups' columns are in
-        start_n = scalars[4]
+        start_n = scalars[5]
         tma_store(out_descs[0], [batch, kv_head, start_n, 0], smem[0])
         tma_store(out_descs[1], [batch, kv_head, start_n, 0], smem[1])
         tma_store(out_descs[2], [batch, kv_head, start_n, 0], smem[2])
@@ -284,14 +302,17 @@ if gluon is not None:
     def _dkdv_wide_gradients(
         smem, bars, kv_bar, scalars, stats, stats_at, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
         BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr,
-        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
     ):  # fmt: skip
         """The second warpgroup: the gradients warpgroup's loop."""
         mbarrier.wait(kv_bar, 0)
         _dkdv_half(smem, bars, scalars, stats, stats_at, 1, BLOCK_M, KEYS, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL,
-                   NUM_STAGES, IS_FP16)  # fmt: skip
+                   WINDOW_LEFT, WINDOW_RIGHT, NUM_STAGES, IS_FP16)  # fmt: skip
 
-    @gluon.jit(do_not_specialize=["num_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "num_n_blocks"])
+    @gluon.jit(do_not_specialize=[
+        "num_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "num_n_blocks", "window_left",
+        "window_right",
+    ])  # fmt: skip
     def attention_dkdv_wide_kernel(
         q_desc,
         q2_desc,
@@ -312,12 +333,16 @@ if gluon is not None:
         num_n_blocks,
         sm_scale,
         qk_scale,
+        window_left,
+        window_right,
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
         BLOCK_D: gl.constexpr,
         BLOCK_D2: gl.constexpr,
         BLOCK_DV: gl.constexpr,
         CAUSAL: gl.constexpr,
+        WINDOW_LEFT: gl.constexpr,
+        WINDOW_RIGHT: gl.constexpr,
         NUM_STAGES: gl.constexpr,
         IS_FP16: gl.constexpr,
     ):
@@ -334,9 +359,11 @@ if gluon is not None:
         kv_head = bh_kv % num_kv_heads
         start_n = (pid % num_n_blocks) * BLOCK_N
         first_head = kv_head * group_size
-        # The same Q-tile range as the D <= 128 kernel (backward_gluon): [lo, unmasked_lo) takes the causal mask.
-        lo, unmasked_lo, _, hi = q_loop_bounds(
-            start_n, seqlen_q, seqlen_k, start_n + BLOCK_N, 0, 0, CAUSAL, False, False, BLOCK_M, BLOCK_N
+        # The same Q-tile ranges as the D <= 128 kernel (backward_gluon): [lo, unmasked_lo) and [unmasked_hi, hi) take
+        # the mask; rows outside [lo, hi) see none of the block's keys and are never loaded.
+        lo, unmasked_lo, unmasked_hi, hi = q_loop_bounds(
+            start_n, seqlen_q, seqlen_k, start_n + BLOCK_N, window_left, window_right, CAUSAL, WINDOW_LEFT,
+            WINDOW_RIGHT, BLOCK_M, BLOCK_N,
         )  # fmt: skip
         tiles_per_head = (hi - lo) // BLOCK_M
         n_iters = tiles_per_head * group_size
@@ -349,7 +376,8 @@ if gluon is not None:
         )  # fmt: skip
         p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored = exchange
         bars = (q_do_bars, q_do_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored)
-        scalars = (lo, unmasked_lo, n_iters, tiles_per_head, start_n, seqlen_k - seqlen_q, sm_scale, qk_scale)
+        scalars = (lo, unmasked_lo, unmasked_hi, n_iters, tiles_per_head, start_n, seqlen_k - seqlen_q, window_left,
+                   window_right, sm_scale, qk_scale)  # fmt: skip
         stats = (lse2_ptr, delta_ptr)
         stats_at = (n_iters, lo, tiles_per_head, batch * num_heads + first_head, seqlen_q, 0, seqlen_q)
         out_descs = (dk_desc, dk2_desc, dv_desc)
@@ -358,9 +386,10 @@ if gluon is not None:
         gl.warp_specialize(
             [
                 (_dkdv_wide_scores, (smem, bars, kv_bar, scalars, stats, stats_at, out_descs, batch, kv_head,
-                                     BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16)),
+                                     BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
+                                     NUM_STAGES, IS_FP16)),
                 (_dkdv_wide_gradients, (smem, bars, kv_bar, scalars, stats, stats_at, BLOCK_M, BLOCK_N, BLOCK_D,
-                                        BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16)),
+                                        BLOCK_D2, BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, NUM_STAGES, IS_FP16)),
                 (_dkdv_wide_load_tiles, (q_descs, kv_descs, smem, kv_bar, q_do_bars, q_do_empty, batch, kv_head,
                                          start_n, first_head, lo, tiles_per_head, n_iters, BLOCK_M, NUM_STAGES)),
             ],
@@ -373,8 +402,8 @@ if gluon is not None:
     @gluon.jit
     def _dq_half(
         smem, bars, scalars, pointers, PART: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-        BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-        IS_FP16: gl.constexpr,
+        BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+        WINDOW_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
     ):  # fmt: skip
         """The dQ kernel's loop of one warpgroup over the K/V tiles of a 64-row Q block, the dK/dV kernel's
         exchange with the roles of rows and keys swapped: PART 0 computes ``S_j = Q K_j^T`` and ``P_j`` and hands
@@ -385,11 +414,13 @@ if gluon is not None:
 
         ``smem = (q_smem, q2_smem, do_smem, k_ring, k2_ring, v_ring, p_smem, ds_smem)``; ``bars = (q_bar, kv_ready,
         kv_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored)``; ``scalars = (start_m, seqlen_q,
-        seqlen_k, first_key, unmasked_tiles, n_tiles, sm_scale, qk_scale)``; ``pointers`` as ``_row_stats`` takes
-        them, and lse."""
+        seqlen_k, first_key, left_tiles, unmasked_tiles, n_tiles, window_left, window_right, sm_scale, qk_scale)``:
+        the K/V tiles below ``left_tiles`` (the window's left edge) or from ``unmasked_tiles`` on take the mask
+        (``q_block_tiles``); ``pointers`` as ``_row_stats`` takes them, and lse."""
         q_smem, q2_smem, do_smem, k_ring, k2_ring, v_ring, p_smem, ds_smem = smem
         q_bar, kv_ready, kv_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored = bars
-        start_m, seqlen_q, seqlen_k, first_key, unmasked_tiles, n_tiles, sm_scale, qk_scale = scalars
+        (start_m, seqlen_q, seqlen_k, first_key, left_tiles, unmasked_tiles, n_tiles, window_left, window_right,
+         sm_scale, qk_scale) = scalars  # fmt: skip
         o_rows, stride_o_row, do_rows, stride_do_row, lse_ptr, lse2_ptr, delta_ptr, stats = pointers
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
         ROWS: gl.constexpr = q_smem.type.shape[2]
@@ -416,7 +447,7 @@ if gluon is not None:
         do_tile = do_smem.reshape([ROWS, BLOCK_DV])
         dq = gl.zeros([ROWS, DQ_COLS], gl.float32, dq_layout)
         scores = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)  # S or dP (ignored accumulator input)
-        no_modifiers = (0, 0, 0.0, 0.0, 0.0)
+        window = (window_left, window_right, 0.0, 0.0, 0.0)  # _tile_p's modifiers: the window alone
 
         for j in range(n_tiles):
             use = j & 1
@@ -427,10 +458,12 @@ if gluon is not None:
                 scores = warpgroup_mma(q_tile, k_tile.permute((1, 0)), scores, use_acc=False, is_async=True)
                 scores = warpgroup_mma(q2_tile, k2_tile.permute((1, 0)), scores, is_async=True)
                 scores = warpgroup_mma_wait(0, deps=(scores,))
-                # Tiles from unmasked_tiles on are cut by the diagonal or by Nk (q_block_tiles).
+                # Tiles from unmasked_tiles on are cut by the diagonal (or the window's right edge) or by Nk, and those
+                # below left_tiles by the window's left edge (q_block_tiles).
                 p, _ = _tile_p(
                     scores, lse2, rows, first_key + j * BLOCK_N + local_keys, diagonal_offset, seqlen_k, qk_scale,
-                    no_modifiers, local_keys, j >= unmasked_tiles, CAUSAL, False, False, False, False,
+                    window, local_keys, (j < left_tiles) | (j >= unmasked_tiles), CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
+                    False, False,
                 )  # fmt: skip
                 p_16 = p.to(DTYPE)
                 mbarrier.wait(p_free, use ^ 1)  # the other warpgroup has read the previous P
@@ -490,11 +523,12 @@ if gluon is not None:
     @gluon.jit
     def _dq_wide_scores(
         smem, bars, scalars, pointers, dq_descs, batch, head, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-        BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-        IS_FP16: gl.constexpr,
+        BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+        WINDOW_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
     ):  # fmt: skip
         """The dQ kernel's default partition: the scores warpgroup's loop, then the TMA stores of dQ's parts."""
-        _dq_half(smem, bars, scalars, pointers, 0, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16)
+        _dq_half(smem, bars, scalars, pointers, 0, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, WINDOW_LEFT,
+                 WINDOW_RIGHT, NUM_STAGES, IS_FP16)  # fmt: skip
         mbarrier.wait(bars[8], 0)  # halves_stored
         tma_store(dq_descs[0], [batch, head, scalars[0], 0], smem[0])
         tma_store(dq_descs[1], [batch, head, scalars[0], 0], smem[1])
@@ -503,17 +537,22 @@ if gluon is not None:
     @gluon.jit
     def _dq_wide_gradients(
         smem, bars, scalars, pointers, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
-        BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
     ):  # fmt: skip
-        _dq_half(smem, bars, scalars, pointers, 1, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16)
+        _dq_half(smem, bars, scalars, pointers, 1, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, WINDOW_LEFT,
+                 WINDOW_RIGHT, NUM_STAGES, IS_FP16)  # fmt: skip
 
-    @gluon.jit(do_not_specialize=["num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks"])
+    @gluon.jit(do_not_specialize=[
+        "num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks", "window_left", "window_right",
+    ])  # fmt: skip
     def attention_dq_wide_kernel(
         q_desc, q2_desc, k_desc, k2_desc, v_desc, do_desc, dq_desc, dq2_desc, lse_ptr, lse2_ptr, delta_ptr,
         o_ptr, stride_ob, stride_oh, stride_om, do_ptr, stride_dob, stride_doh, stride_dom,
-        num_heads, group_size, seqlen_q, seqlen_k, num_m_blocks, sm_scale, qk_scale,
+        num_heads, group_size, seqlen_q, seqlen_k, num_m_blocks, sm_scale, qk_scale, window_left, window_right,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
-        BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
     ):  # fmt: skip
         """dQ (and Delta, lse2) of one block of BLOCK_M = 64 rows of one (batch, head); grid: 1-d, ``num_m_blocks *
         B * H`` programs in ``q_block_tiles``' order, launched with 4 warps (the scores warpgroup) and given the
@@ -522,10 +561,10 @@ if gluon is not None:
         pointers and strides (Delta), lse (read), lse2 and Delta (written) are ``[B, H, Nq]`` float32 contiguous."""
         gl.static_assert(BLOCK_N == 64 and BLOCK_M == 64, "64-row Q blocks (one warpgroup's M), 64-key tiles")
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
-        problem = (num_m_blocks, num_heads, group_size, seqlen_q, seqlen_k, 0, 0, lse_ptr, 0, 0,
+        problem = (num_m_blocks, num_heads, group_size, seqlen_q, seqlen_k, window_left, window_right, lse_ptr, 0, 0,
                    (lse_ptr, lse_ptr, 0, 0), (seqlen_q, o_ptr, 0))  # fmt: skip
-        (bh, batch, head, kv_head, start_m, first_key, _, unmasked_tiles, n_tiles, _, _, _, _) = q_block_tiles(
-            gl.program_id(0), problem, BLOCK_M, BLOCK_N, CAUSAL, False, False, False, False
+        (bh, batch, head, kv_head, start_m, first_key, left_tiles, unmasked_tiles, n_tiles, _, _, _, _) = (
+            q_block_tiles(gl.program_id(0), problem, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, False, False)
         )  # fmt: skip
         stats = bh.to(gl.int64) * seqlen_q
         o_rows = o_ptr + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
@@ -536,15 +575,16 @@ if gluon is not None:
         smem, q_bar, kv_ready, kv_empty, exchange_bars, exchange = _wide_buffers(q_descs, kv_descs, NUM_STAGES, DTYPE)
         p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored = exchange
         bars = (q_bar, kv_ready, kv_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored)
-        scalars = (start_m, seqlen_q, seqlen_k, first_key, unmasked_tiles, n_tiles, sm_scale, qk_scale)
+        scalars = (start_m, seqlen_q, seqlen_k, first_key, left_tiles, unmasked_tiles, n_tiles, window_left,
+                   window_right, sm_scale, qk_scale)  # fmt: skip
         pointers = (o_rows, stride_om, do_rows, stride_dom, lse_ptr, lse2_ptr, delta_ptr, stats)
         dq_descs = (dq_desc, dq2_desc)
         gl.warp_specialize(
             [
                 (_dq_wide_scores, (smem, bars, scalars, pointers, dq_descs, batch, head, BLOCK_N, BLOCK_D, BLOCK_D2,
-                                   BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16)),
+                                   BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, NUM_STAGES, IS_FP16)),
                 (_dq_wide_gradients, (smem, bars, scalars, pointers, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL,
-                                      NUM_STAGES, IS_FP16)),
+                                      WINDOW_LEFT, WINDOW_RIGHT, NUM_STAGES, IS_FP16)),
                 (_dq_wide_load_tiles, (q_descs, kv_descs, smem, q_bar, kv_ready, kv_empty, batch, head, kv_head,
                                        start_m, first_key, n_tiles, NUM_STAGES)),
             ],
@@ -581,6 +621,20 @@ def _check_wide_call(
         )
 
 
+def _window_args(modifiers: ScoreModifiers | None) -> tuple[int, int]:
+    """The window's sides as the kernels take them (``ScoreModifiers.args``; 0 where there is none)."""
+    return (0, 0) if modifiers is None else modifiers.args[1:3]
+
+
+def _window_flags(modifiers: ScoreModifiers | None) -> dict[str, bool]:
+    """WINDOW_LEFT and WINDOW_RIGHT; ValueError for a score modifier the kernels do not apply (a soft cap, ALiBi)."""
+    if modifiers is None:
+        return dict(WINDOW_LEFT=False, WINDOW_RIGHT=False)
+    if modifiers.softcap or modifiers.alibi:
+        raise ValueError("the wide backward kernels apply a window, not a soft cap or ALiBi")
+    return dict(WINDOW_LEFT=modifiers.flags["WINDOW_LEFT"], WINDOW_RIGHT=modifiers.flags["WINDOW_RIGHT"])
+
+
 def _part_descriptors(x: torch.Tensor, rows: int) -> tuple:
     """Descriptors of ``x``'s two column parts (views with x's strides, the second one's base 128 columns on)."""
     first = wide_head_dim_parts(x.shape[-1])[0]
@@ -601,13 +655,15 @@ def attention_dkdv_wide_hopper(
     block_m: int = 64,
     block_n: int = 64,
     num_stages: int = 2,
+    modifiers: ScoreModifiers | None = None,
 ) -> None:
     """Write ``dk`` ``[B, Hkv, Nk, D]`` and ``dv`` ``[B, Hkv, Nk, Dv]`` (contiguous, dtype of q; summed over each
     head group).
 
     ``q`` ``[B, H, Nq, D]``, ``do`` ``[B, H, Nq, Dv]``, ``k`` ``[B, Hkv, Nk, D]``, ``v`` ``[B, Hkv, Nk, Dv]`` with
-    (D, Dv) in ``WIDE_HEAD_DIMS``, in the scope that ``KernelVariant.DKDV.gluon_scope`` checks (dense, no score
-    modifiers); ``lse2`` and ``delta`` ``[B, H, Nq]`` float32 contiguous, as the dQ kernel writes them."""
+    (D, Dv) in ``WIDE_HEAD_DIMS``, in the scope that ``KernelVariant.DKDV.gluon_scope`` checks (dense; of the score
+    modifiers, ``modifiers``, a window only); ``lse2`` and ``delta`` ``[B, H, Nq]`` float32 contiguous, as the dQ
+    kernel writes them."""
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     _check_wide_call(q, v, block_m, block_n, num_stages, "dK/dV")
@@ -616,9 +672,9 @@ def attention_dkdv_wide_hopper(
     attention_dkdv_wide_kernel[(num_n_blocks * B * Hkv,)](
         *_part_descriptors(q, block_m), *_part_descriptors(k, block_n), tile_descriptor(v, block_n),
         tile_descriptor(do, block_m), *_part_descriptors(dk, block_n), tile_descriptor(dv, block_n), lse2, delta,
-        H, Hkv, H // Hkv, Nq, Nk, num_n_blocks, scale, scale * LOG2E,
+        H, Hkv, H // Hkv, Nq, Nk, num_n_blocks, scale, scale * LOG2E, *_window_args(modifiers),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=first, BLOCK_D2=second, BLOCK_DV=Dv, CAUSAL=causal,
-        NUM_STAGES=num_stages, IS_FP16=q.dtype == torch.float16, num_warps=KERNEL_WARPS,
+        **_window_flags(modifiers), NUM_STAGES=num_stages, IS_FP16=q.dtype == torch.float16, num_warps=KERNEL_WARPS,
     )  # fmt: skip
 
 
@@ -637,13 +693,14 @@ def attention_dq_wide_hopper(
     block_m: int = 64,
     block_n: int = 64,
     num_stages: int = 2,
+    modifiers: ScoreModifiers | None = None,
 ) -> None:
     """Write ``dq`` ``[B, H, Nq, D]`` (contiguous, dtype of q), and ``lse2`` (lse * log2(e), +inf on empty rows) and
     ``delta`` (rowsum(dO * O)) ``[B, H, Nq]`` float32 contiguous for the dK/dV kernel.
 
     ``q`` ``[B, H, Nq, D]``, ``o``, ``do`` ``[B, H, Nq, Dv]``, ``k`` ``[B, Hkv, Nk, D]``, ``v`` ``[B, Hkv, Nk, Dv]``
     with (D, Dv) in ``WIDE_HEAD_DIMS``, ``lse`` ``[B, H, Nq]`` (natural log, contiguous) in the scope that
-    ``KernelVariant.DQ.gluon_scope`` checks (dense, no score modifiers)."""
+    ``KernelVariant.DQ.gluon_scope`` checks (dense; of the score modifiers, ``modifiers``, a window only)."""
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     _check_wide_call(q, v, block_m, block_n, num_stages, "dQ")
@@ -655,7 +712,7 @@ def attention_dq_wide_hopper(
         *_part_descriptors(q, block_m), *_part_descriptors(k, block_n), tile_descriptor(v, block_n),
         tile_descriptor(do, block_m), *_part_descriptors(dq, block_m), lse, lse2, delta,
         o, *o.stride()[:3], do, *do.stride()[:3],
-        H, H // Hkv, Nq, Nk, num_m_blocks, scale, scale * LOG2E,
+        H, H // Hkv, Nq, Nk, num_m_blocks, scale, scale * LOG2E, *_window_args(modifiers),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=first, BLOCK_D2=second, BLOCK_DV=Dv, CAUSAL=causal,
-        NUM_STAGES=num_stages, IS_FP16=q.dtype == torch.float16, num_warps=KERNEL_WARPS,
+        **_window_flags(modifiers), NUM_STAGES=num_stages, IS_FP16=q.dtype == torch.float16, num_warps=KERNEL_WARPS,
     )  # fmt: skip

@@ -42,8 +42,8 @@ dense and not persistent), the (D, Dv) pairs the scope lists (64/64, 128/128, 19
 two (192 = 128 + 64: Gluon tiles have power-of-two shapes) comes as two column parts of Q and K, and ``S = Q K^T`` as
 two chained products; Dv is a power of two (DeepSeek's 192/128).  ``tests/test_gpu_score_modifiers.py`` checks the
 kernel with such pairs on the GPU; the scope lists a pair once that test has passed for it.  D = Dv = 256 (one
-warpgroup's 64x64 tiles) is checked by ``tests/test_gpu.py`` on dense calls without modifiers, and the scope keeps
-it to those (``GluonScope.plain_head_dims``).
+warpgroup's 64x64 tiles) is checked by ``tests/test_gpu.py`` on dense calls with a window at most, and the scope
+keeps it to those (``GluonScope.plain_head_dims``).
 Causal masks, windows (the loop starts at the window's first tile: blocks outside the band are never loaded), the
 soft cap, ALiBi, any Nq and Nk, and grouped-query heads are handled.  Packed batches (``attention_varlen``) run with
 VARLEN, one Q block per program (not persistent): a sequence's TMA boxes reach into the next sequence's rows, so the

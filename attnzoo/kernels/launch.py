@@ -230,9 +230,10 @@ class ScoreModifiers:
     key: str  # what the tuning key adds ("" without modifiers: dense keys keep their stored winners)
 
     @property
-    def change_scores(self) -> bool:
-        """A window bound, a soft cap or ALiBi (the key also names a value head dim of its own, which is none)."""
-        return self.window_left_bounded or self.window_right_bounded or self.softcap or self.alibi
+    def score_terms(self) -> bool:
+        """A soft cap or ALiBi: a term in every score (a window only masks; a value head dim of its own, which the
+        key also names, is neither)."""
+        return self.softcap or self.alibi
 
     @classmethod
     def of(
@@ -606,8 +607,8 @@ class GluonScope:
     varlen: bool = False  # packed batches (``attention_varlen``)
     # FP8 inputs (``attention_fp8``): the (D, Dv) pairs the kernel takes them with (none: it takes no FP8).
     fp8_head_dims: tuple[tuple[int, int], ...] = ()
-    # Pairs of ``head_dims`` checked on the GPU with dense calls without score modifiers only: a call with a
-    # modifier or a packed batch runs the Triton kernel there.
+    # Pairs of ``head_dims`` checked on the GPU with dense calls whose only score modifier is a window: a call with
+    # a soft cap, ALiBi or a packed batch runs the Triton kernel there.
     plain_head_dims: tuple[tuple[int, int], ...] = ()
 
     def modifier_reasons(self, modifiers: ScoreModifiers) -> list[str]:
@@ -629,10 +630,10 @@ class GluonScope:
         return [f"head dims D={head_dim} Dv={head_dim_v}: {pairs} only"]
 
     def plain_head_dim_reasons(self, head_dim: int, head_dim_v: int, modified: bool) -> list[str]:
-        """Why a call with score modifiers or a packed batch (``modified``) does not run the kernel at these head
+        """Why a call with a soft cap, ALiBi or a packed batch (``modified``) does not run the kernel at these head
         dims ([] when it does)."""
         if modified and (head_dim, head_dim_v) in self.plain_head_dims:
-            return [f"D={head_dim} Dv={head_dim_v}: checked on dense calls without score modifiers only"]
+            return [f"D={head_dim} Dv={head_dim_v}: checked on dense calls with a window at most"]
         return []
 
     def not_supported_reasons(self, call: PreparedCall, extra: tuple[torch.Tensor, ...] = ()) -> list[str]:
@@ -658,7 +659,7 @@ class GluonScope:
             if q.dtype not in HOPPER_DTYPES:
                 reasons.append(f"dtype {q.dtype}: float16 and bfloat16 only")
             reasons.extend(self.head_dim_reasons(*head_dims))
-        reasons.extend(self.plain_head_dim_reasons(*head_dims, call.varlen or call.modifiers.change_scores))
+        reasons.extend(self.plain_head_dim_reasons(*head_dims, call.varlen or call.modifiers.score_terms))
         if call.has_seqlens:
             reasons.append("seqlens_k: the K/V rows past seqlens_k[b] may hold anything, and TMA cannot zero them")
         if call.varlen and not self.varlen:
@@ -679,7 +680,7 @@ class GluonScope:
 _GLUON_SCOPES = {
     # The Gluon forward's modifiers and its two-part head dim (192 = 128 + 64, DeepSeek's MLA with Dv = 128) are
     # checked against the oracle by tests/test_gpu_score_modifiers.py::test_gluon_forward_applies_each_modifier_it_
-    # implements and ::test_gluon_forward_takes_a_head_dim_in_two_parts; D = 256 by
+    # implements and ::test_gluon_forward_takes_a_head_dim_in_two_parts; D = 256 (with windows) by
     # tests/test_gpu.py::test_gluon_forward_at_head_dim_256.
     KernelVariant.FORWARD: GluonScope(
         "forward_gluon.py",
@@ -695,8 +696,8 @@ _GLUON_SCOPES = {
     ),
     # Its windows, soft cap and ALiBi: tests/test_gpu_score_modifiers.py::test_gluon_dkdv_applies_sliding_windows
     # and ::test_gluon_dkdv_applies_alibi_and_the_soft_cap.  D = 256 and D = 192 with Dv = 128 run the head-dim-split
-    # kernel of backward_gluon_wide.py, on dense calls without modifiers (tests/test_gpu.py::test_gluon_dkdv_at_wide_
-    # head_dims).
+    # kernel of backward_gluon_wide.py, on dense calls with a window at most (tests/test_gpu.py::test_gluon_dkdv_at_
+    # wide_head_dims).
     KernelVariant.DKDV: GluonScope(
         "backward_gluon.py",
         needs_positive_scale=False,
