@@ -7,7 +7,8 @@ medians, gradients reset between calls).
     PYTHONPATH=$PWD python3 bench/wide_backward_ab.py --window 1024 --out bench/results/h100_wide_bwd_window.csv
 
 ``--window W``: causal calls with ``window=(W, 0)`` (a sliding window, as Gemma's local layers at D = 256 have) at
-the shapes with N >= 8k, against the Triton tiles (SDPA has no window).
+the shapes with N >= 8k, against the Triton tiles (SDPA has no window).  Only the backward's kernels are pinned: both
+attnzoo rows of a shape time the same forward, so their forward columns differ by noise alone.
 
 Useful FLOPs as in ``attnzoo.bench.modifiers``: the forward ``2 * pairs * (D + Dv)``, the backward 2.5x that (pairs:
 the visible (query, key) pairs; half of N^2 with a causal mask).  An impl that cannot run a shape (SDPA's

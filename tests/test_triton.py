@@ -299,8 +299,8 @@ def test_the_gluon_scopes_take_the_head_dims_their_kernels_were_checked_with(var
         assert scope.head_dim_reasons(*dims) == [], dims
     for dims in {(64, 32), (256, 256), (192, 192), (192, 128)} - set(in_scope):
         assert any(f"D={dims[0]} Dv={dims[1]}" in r for r in scope.head_dim_reasons(*dims))
-    # D = 256 (and the backward's D = 192) was checked on dense calls without score modifiers: with one, or packed,
-    # the Triton kernel runs.
+    # D = 256 (and the backward's D = 192) was checked on dense calls with a window at most: with a soft cap, ALiBi
+    # or a packed batch the Triton kernel runs.
     plain = [(256, 256)] if variant is KernelVariant.FORWARD else wide.get(variant, [])
     for dims in in_scope:
         assert scope.plain_head_dim_reasons(*dims, modified=False) == []

@@ -350,7 +350,8 @@ if gluon is not None:
         heads that read the kv head; grid: 1-d, ``num_n_blocks * B * Hkv`` programs, launched with 4 warps (the
         scores warpgroup) and given the gradients warpgroup and the producer warp by ``gl.warp_specialize``.  The
         head dim arrives in two column parts (``q_desc``/``k_desc``/``dk_desc`` BLOCK_D = 128 columns,
-        ``q2_desc``/``k2_desc``/``dk2_desc`` the next BLOCK_D2), v, do and dv in one of BLOCK_DV."""
+        ``q2_desc``/``k2_desc``/``dk2_desc`` the next BLOCK_D2), v, do and dv in one of BLOCK_DV.  WINDOW_LEFT /
+        WINDOW_RIGHT: the sliding window's bounds ``window_left`` / ``window_right`` (``ScoreModifiers``)."""
         gl.static_assert(BLOCK_N == 64 and BLOCK_M == 64, "64 keys a block (one warpgroup's M), 64-row Q tiles")
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
         pid = gl.program_id(0)
@@ -558,7 +559,8 @@ if gluon is not None:
         B * H`` programs in ``q_block_tiles``' order, launched with 4 warps (the scores warpgroup) and given the
         gradients warpgroup and the producer warp by ``gl.warp_specialize``.  q, k and dq arrive in two column parts
         (BLOCK_D = 128 and BLOCK_D2 columns), v and do in one of BLOCK_DV; o and do are also read through their
-        pointers and strides (Delta), lse (read), lse2 and Delta (written) are ``[B, H, Nq]`` float32 contiguous."""
+        pointers and strides (Delta), lse (read), lse2 and Delta (written) are ``[B, H, Nq]`` float32 contiguous.
+        WINDOW_LEFT / WINDOW_RIGHT: the sliding window's bounds, as in the dK/dV kernel."""
         gl.static_assert(BLOCK_N == 64 and BLOCK_M == 64, "64-row Q blocks (one warpgroup's M), 64-key tiles")
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
         problem = (num_m_blocks, num_heads, group_size, seqlen_q, seqlen_k, window_left, window_right, lse_ptr, 0, 0,
