@@ -160,6 +160,24 @@ if gluon is not None:
         return visible
 
     @gluon.jit
+    def _mask_cut_tile_t(p_t, start_m, unmasked_lo, unmasked_hi, keys, rows, diagonal_offset, window_left,
+                         window_right, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+                         WINDOW_RIGHT: gl.constexpr):  # fmt: skip
+        """``P^T`` of the Q tile at row ``start_m`` with its hidden keys zeroed where the tile is cut: below
+        ``unmasked_lo`` (the diagonal or the window's right edge) or, with WINDOW_LEFT, from ``unmasked_hi`` on (its
+        left edge; ``q_loop_bounds``).  Whole tiles pass unchanged.  At least one flag is set."""
+        if WINDOW_LEFT:
+            cut = (start_m < unmasked_lo) | (start_m >= unmasked_hi)
+        else:
+            cut = start_m < unmasked_lo
+        if cut:
+            visible = _visible_t(
+                keys, rows, diagonal_offset, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT
+            )  # fmt: skip
+            p_t = gl.where(visible, p_t, 0.0)
+        return p_t
+
+    @gluon.jit
     def _alibi_bias_t(keys, positions, slope2):
         """ALiBi's term ``-slope |i' - j|`` in base 2 (``slope2``) as a ``[BLOCK_N, BLOCK_M]`` tile (keys along the
         rows, rows' positions ``i'`` along the columns), from the exact integer distance: keys and positions may be
@@ -512,15 +530,10 @@ if gluon is not None:
                     s2 = s2 + _alibi_bias_t(keys, rows + diagonal_offset, slope2)
             p_t = gl.exp2(s2 - lse2[None, :])
             if MASKED:
-                if WINDOW_LEFT:  # the third stage: tiles that the window's left edge cuts
-                    cut = (start_m < unmasked_lo) | (start_m >= unmasked_hi)
-                else:
-                    cut = start_m < unmasked_lo
-                if cut:
-                    visible = _visible_t(
-                        keys, rows, diagonal_offset, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT
-                    )  # fmt: skip
-                    p_t = gl.where(visible, p_t, 0.0)
+                p_t = _mask_cut_tile_t(
+                    p_t, start_m, unmasked_lo, unmasked_hi, keys, rows, diagonal_offset, window_left, window_right,
+                    CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
+                )  # fmt: skip
             if DQ_ATOMIC:  # noqa: SIM102 - a compile-time branch around a runtime one
                 if start_n + KEYS > seq_k:
                     # The keys past Nk (TMA's zero rows: s = 0, dP = 0) were not masked, which only dK/dV rows that

@@ -78,7 +78,7 @@ if TYPE_CHECKING:
 
 if gluon is not None:
     # The other Gluon kernels' helpers (defined only where Gluon is).
-    from .backward_gluon import _load_row_stat, _tile_of, _visible_t
+    from .backward_gluon import _load_row_stat, _mask_cut_tile_t, _tile_of
     from .backward_gluon_dq import _row_stats, _tile_p
     from .forward_gluon import q_block_tiles
 
@@ -208,15 +208,10 @@ if gluon is not None:
                 scores = warpgroup_mma_wait(0, deps=(scores,))
                 p_t = gl.exp2(scores * qk_scale - lse2[None, :])
                 if CAUSAL or WINDOW_LEFT or WINDOW_RIGHT:
-                    if WINDOW_LEFT:  # the tiles that the diagonal (or the window's right edge) or its left edge cuts
-                        cut = (start_m < unmasked_lo) | (start_m >= unmasked_hi)
-                    else:
-                        cut = start_m < unmasked_lo
-                    if cut:
-                        visible = _visible_t(
-                            keys, rows, diagonal_offset, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT
-                        )  # fmt: skip
-                        p_t = gl.where(visible, p_t, 0.0)
+                    p_t = _mask_cut_tile_t(
+                        p_t, start_m, unmasked_lo, unmasked_hi, keys, rows, diagonal_offset, window_left,
+                        window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
+                    )  # fmt: skip
                 p_16 = p_t.to(DTYPE)
                 # The gradients warpgroup has read the previous P^T (its dS^T and its dV product are done).
                 mbarrier.wait(p_free, use ^ 1)
