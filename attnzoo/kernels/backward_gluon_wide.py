@@ -72,6 +72,7 @@ from .gluon_hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from .tuning import WIDE_GLUON_TILE
 
 if TYPE_CHECKING:
     from .launch import ScoreModifiers
@@ -611,7 +612,8 @@ def _check_wide_call(
         raise ValueError(
             f"the wide {kernel} kernel takes {pairs}, not D = {q.shape[-1]}, Dv = {v.shape[-1]}"
         )  # fmt: skip
-    if (block_m, block_n, num_stages) != (64, 64, 2):
+    tile = WIDE_GLUON_TILE
+    if (block_m, block_n, num_stages) != (tile.block_m, tile.block_n, tile.num_stages):
         raise ValueError(
             f"block_m={block_m}, block_n={block_n}, num_stages={num_stages}: the wide {kernel} kernel runs 64 x 64 "
             "tiles with two ring slots"

@@ -247,6 +247,11 @@ def _shared_memory_limit(device: torch.device) -> int:
     return _shared_memory_limit_of(device.index or 0)
 
 
+# The one tile of the Gluon dK/dV and dQ kernels above D = 128 (``backward_gluon_wide``): 64 keys or rows a block,
+# launched with one warpgroup (the kernels add the other and the producer warp), two ring slots.
+WIDE_GLUON_TILE = KernelConfig(64, 64, 4, 2, gluon=True)
+
+
 def fits_head_dim(kernel: str, cfg: KernelConfig, block_d: int) -> bool:
     """Whether ``cfg`` of ``CANDIDATES[kernel]`` is a candidate at the head-dim tile ``block_d`` at all (before the
     shared memory): the 128-row Gluon dK/dV tile is one up to 64 only (its accumulators' registers), and above 128
@@ -254,7 +259,7 @@ def fits_head_dim(kernel: str, cfg: KernelConfig, block_d: int) -> bool:
     if kernel == "dkdv" and cfg.gluon and cfg.block_m > 64 and block_d > 64:
         return False
     if kernel in ("dkdv", "dq") and cfg.gluon and block_d > 128:
-        return (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (64, 64, 4, 2)
+        return cfg == WIDE_GLUON_TILE
     return True
 
 
