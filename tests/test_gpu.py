@@ -171,32 +171,54 @@ HEAD_DIM_256_CASES = [
     (torch.float16, 1, 2, 2, 1, 300, True),
     (torch.bfloat16, 1, 4, 2, 300, 100, True),
 ]
-# Windows at these head dims (the Gluon forward and the wide backward kernels take them): a causal sliding window
-# (its left edge cuts tiles), a two-sided band with Nq != Nk, and a band below the diagonal (rows that see no key).
-WINDOW_256_CASES = [
-    ((torch.bfloat16, 1, 4, 2, 700, 700, True), (100, 0)),
-    ((torch.float16, 2, 2, 1, 333, 500, False), (60, 90)),
-    ((torch.bfloat16, 1, 2, 2, 300, 300, False), (None, -40)),
+# Score modifiers at these head dims, (case, (window, softcap, alibi)), all of which the Gluon forward and the wide
+# backward kernels take: a causal sliding window (its left edge cuts tiles), a two-sided band with Nq != Nk, a band
+# below the diagonal (rows that see no key); soft caps small enough to bend most scores, causal and not; ALiBi's slopes
+# per head (causal: the split into a keys' and a rows' term) and per (batch, head) with Nq > Nk; and Gemma-2's
+# combination, a causal window with a soft cap (ALiBi beside them).
+MODIFIED_256_CASES = [
+    ((torch.bfloat16, 1, 4, 2, 700, 700, True), ((100, 0), 0.0, "none")),
+    ((torch.float16, 2, 2, 1, 333, 500, False), ((60, 90), 0.0, "none")),
+    ((torch.bfloat16, 1, 2, 2, 300, 300, False), ((None, -40), 0.0, "none")),
+    ((torch.float16, 1, 4, 2, 700, 700, True), (None, 2.0, "none")),
+    ((torch.bfloat16, 2, 2, 1, 333, 500, False), (None, 5.0, "none")),
+    ((torch.bfloat16, 1, 4, 2, 500, 500, True), (None, 0.0, "heads")),
+    ((torch.float16, 2, 4, 2, 257, 190, False), (None, 0.0, "batch-heads")),
+    ((torch.bfloat16, 1, 4, 4, 700, 700, True), ((200, 0), 3.0, "batch-heads")),
 ]
+NO_MODIFIERS = (None, 0.0, "none")
+
+
+def _modified_inputs(case, modifiers, head_dim, head_dim_v=None, layout="contiguous", seed=0):
+    """The inputs of a MODIFIED_256_CASES entry (or of a plain case with NO_MODIFIERS) on the GPU, the slopes drawn
+    by ``random_inputs``, and the keyword arguments of ``validate_forward`` for them."""
+    dtype, B, H, Hkv, Nq, Nk, causal = case
+    window, softcap, alibi = modifiers
+    x = random_inputs(
+        B, H, Hkv, Nq, Nk, head_dim, dtype=dtype, device=CUDA, seed=seed, head_dim_v=head_dim_v, layout=layout,
+        alibi=alibi,
+    )  # fmt: skip
+    return x, dict(causal=causal, window=window, softcap=softcap, alibi_slopes=x.alibi_slopes)
 
 
 @pytest.mark.parametrize("cfg", [c for c in CANDIDATES["forward"] if c.gluon], ids=str)
 def test_gluon_forward_at_head_dim_256(cfg):
     """D = Dv = 256 through the launch layer with each Gluon config that the tuner keeps there (the others do not
-    fit the shared memory), with and without windows: the Gluon kernel runs (not its Triton twin), o and lse within
-    SPEC.md's bound of the float64 oracle, every element written."""
+    fit the shared memory), plain and with each score modifier: the Gluon kernel runs (not its Triton twin), o and
+    lse within SPEC.md's bound of the float64 oracle, every element written."""
     _needs_hopper()
-    for (dtype, B, H, Hkv, Nq, Nk, causal), window in [(c, None) for c in HEAD_DIM_256_CASES] + WINDOW_256_CASES:
+    for case, modifiers in [(c, NO_MODIFIERS) for c in HEAD_DIM_256_CASES] + MODIFIED_256_CASES:
+        dtype, B, H, Hkv, Nq, Nk, causal = case
         if cfg not in tuning.candidates("forward", 256, dtype, torch.device(CUDA), gluon_head_dims=(256, 256)):
             pytest.skip(f"{cfg} does not fit the shared memory at D = 256 (the tuner drops it)")
-        x = random_inputs(B, H, Hkv, Nq, Nk, 256, dtype=dtype, device=CUDA, seed=Nq + Nk)
-        problem = validate_forward(x.q, x.k, x.v, causal, 256**-0.5, window=window)
-        call = prepare(x.q, x.k, x.v, problem, forced={"forward": cfg})
+        x, kw = _modified_inputs(case, modifiers, 256, seed=Nq + Nk)
+        call = prepare(x.q, x.k, x.v, validate_forward(x.q, x.k, x.v, scale=256**-0.5, **kw), forced={"forward": cfg})
         assert not call.gluon_reasons(KernelVariant.FORWARD), call.gluon_reasons(KernelVariant.FORWARD)
         o, lse = attention_forward(call)
-        judge = oracle_for(AttentionInputs(x.q, x.k, x.v, None, None), causal, window=window, device=CUDA)
+        inputs = AttentionInputs(x.q, x.k, x.v, None, None, x.alibi_slopes)
+        judge = oracle_for(inputs, causal, window=kw["window"], softcap=kw["softcap"], device=CUDA)
         for name, check in judge.check({"o": o, "lse": lse}).items():
-            label = f"{cfg} {dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} causal={causal} window={window}"
+            label = f"{cfg} {dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} causal={causal} modifiers={modifiers}"
             assert check.ok, f"{label}: {name}: {check.message}"
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
@@ -223,10 +245,11 @@ def test_persistent_gluon_forward_runs_several_q_blocks_per_program(dtype):
             assert check.ok, f"{dtype} causal={causal} window={window} N={N} D={D}: {name}: {check.message}"
 
 
-def _check_gradients(label: str, q, k, v, do, causal, o, dq, dk, dv, window=None) -> str:
-    """dq, dk and dv within SPEC.md's bound of the float64 oracle (stored o's contract term); -> the errors/bounds
-    as a report text.  ``label`` names the case in a failure."""
-    judge = oracle_for(AttentionInputs(q, k, v, do, None), causal, window=window, device=CUDA)
+def _check_gradients(label: str, q, k, v, do, causal, o, dq, dk, dv, window=None, softcap=0.0, slopes=None) -> str:
+    """dq, dk and dv within SPEC.md's bound of the float64 oracle (stored o's contract term) with the score modifiers
+    ``window``, ``softcap`` and ALiBi's ``slopes``; -> the errors/bounds as a report text.  ``label`` names the case
+    in a failure."""
+    judge = oracle_for(AttentionInputs(q, k, v, do, None, slopes), causal, window=window, softcap=softcap, device=CUDA)
     errors = []
     for name, check in judge.check({"dq": dq, "dk": dk, "dv": dv}, stored_o=o).items():
         assert check.ok, f"{label}: {name}: {check.message}"
@@ -253,13 +276,13 @@ def test_gluon_hopper_dkdv_against_oracle(cfg):
 
 
 # The head dims of the head-dim-split backward kernels (backward_gluon_wide.py): (D, Dv); their cases (case, layout,
-# window), contiguous, once with heads and rows transposed ([B, N, H, D] memory: the column parts' descriptors on
-# strided views), and the windows.
+# modifiers), contiguous, once with heads and rows transposed ([B, N, H, D] memory: the column parts' descriptors on
+# strided views), and the score modifiers.
 WIDE_HEAD_DIMS = [(256, 256), (192, 128)]
 WIDE_CASES = (
-    [(case, "contiguous", None) for case in HEAD_DIM_256_CASES]
-    + [(HEAD_DIM_256_CASES[1], "bnhd", None)]
-    + [(case, "contiguous", window) for case, window in WINDOW_256_CASES]
+    [(case, "contiguous", NO_MODIFIERS) for case in HEAD_DIM_256_CASES]
+    + [(HEAD_DIM_256_CASES[1], "bnhd", NO_MODIFIERS)]
+    + [(case, "contiguous", modifiers) for case, modifiers in MODIFIED_256_CASES]
 )
 
 
@@ -268,23 +291,23 @@ def test_gluon_dkdv_at_wide_head_dims(dims):
     """D = Dv = 256 and D = 192 with Dv = 128 run the head-dim-split dK/dV kernel (``backward_gluon_wide.py``: two
     warpgroups exchanging P^T and dS^T through shared memory, q and k in two column parts) through the launch layer:
     dk and dv (and dq, from the dQ kernel beside it) within SPEC.md's bound of the float64 oracle on the WIDE_CASES
-    (Q and K/V tails, one query row, GQA summed, Nq != Nk, causal, a [B, N, H, D] layout, windows), every element
-    written (NaN-filled first, conftest)."""
+    (Q and K/V tails, one query row, GQA summed, Nq != Nk, causal, a [B, N, H, D] layout, windows, soft caps, ALiBi),
+    every element written (NaN-filled first, conftest)."""
     _needs_hopper()
     D, Dv = dims
     cfg = KernelConfig.parse("64x64 w4 s2 gluon")
-    for (dtype, B, H, Hkv, Nq, Nk, causal), layout, window in WIDE_CASES:
-        x = random_inputs(
-            B, H, Hkv, Nq, Nk, D, dtype=dtype, device=CUDA, seed=Nq + Nk + D + 1, head_dim_v=Dv, layout=layout
-        )  # fmt: skip
+    for case, layout, modifiers in WIDE_CASES:
+        dtype, B, H, Hkv, Nq, Nk, causal = case
+        x, kw = _modified_inputs(case, modifiers, D, Dv, layout, seed=Nq + Nk + D + 1)
         do = x.do
-        problem = validate_forward(x.q, x.k, x.v, causal, D**-0.5, window=window)
-        call = prepare(x.q, x.k, x.v, problem, forced={"dkdv": cfg})
+        call = prepare(x.q, x.k, x.v, validate_forward(x.q, x.k, x.v, scale=D**-0.5, **kw), forced={"dkdv": cfg})
         assert not call.gluon_reasons(KernelVariant.DKDV, do), call.gluon_reasons(KernelVariant.DKDV, do)
         o, lse = attention_forward(call)
         dq, dk, dv = attention_backward_2kernel(call, do, o, lse)
-        label = f"{cfg} {dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D={D} Dv={Dv} causal={causal} {layout} window={window}"
-        errors = _check_gradients(label, x.q, x.k, x.v, do, causal, o, dq, dk, dv, window)
+        label = f"{cfg} {dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D={D} Dv={Dv} causal={causal} {layout} {modifiers}"
+        errors = _check_gradients(
+            label, x.q, x.k, x.v, do, causal, o, dq, dk, dv, kw["window"], kw["softcap"], x.alibi_slopes
+        )  # fmt: skip
         _report(f"[gluon dkdv wide] {label}: {errors}")
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
@@ -297,16 +320,17 @@ def test_gluon_dq_at_wide_head_dims(dims):
     _needs_hopper()
     D, Dv = dims
     forced = {"dq": KernelConfig.parse("64x64 w4 s2 gluon"), "dkdv": KernelConfig.parse("64x32 w8 s2")}
-    for (dtype, B, H, Hkv, Nq, Nk, causal), layout, window in WIDE_CASES:
-        x = random_inputs(
-            B, H, Hkv, Nq, Nk, D, dtype=dtype, device=CUDA, seed=Nq + Nk + D + 2, head_dim_v=Dv, layout=layout
-        )  # fmt: skip
-        call = prepare(x.q, x.k, x.v, validate_forward(x.q, x.k, x.v, causal, D**-0.5, window=window), forced=forced)
+    for case, layout, modifiers in WIDE_CASES:
+        dtype, B, H, Hkv, Nq, Nk, causal = case
+        x, kw = _modified_inputs(case, modifiers, D, Dv, layout, seed=Nq + Nk + D + 2)
+        call = prepare(x.q, x.k, x.v, validate_forward(x.q, x.k, x.v, scale=D**-0.5, **kw), forced=forced)
         o, lse = attention_forward(call)
         assert not call.gluon_reasons(KernelVariant.DQ, x.do, o), call.gluon_reasons(KernelVariant.DQ, x.do, o)
         dq, dk, dv = attention_backward_2kernel(call, x.do, o, lse)
-        label = f"{dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D={D} Dv={Dv} causal={causal} {layout} window={window}"
-        errors = _check_gradients(label, x.q, x.k, x.v, x.do, causal, o, dq, dk, dv, window)
+        label = f"{dtype} B={B} H={H}/{Hkv} N={Nq}x{Nk} D={D} Dv={Dv} causal={causal} {layout} {modifiers}"
+        errors = _check_gradients(
+            label, x.q, x.k, x.v, x.do, causal, o, dq, dk, dv, kw["window"], kw["softcap"], x.alibi_slopes
+        )  # fmt: skip
         _report(f"[gluon dq wide] {label}: {errors}")
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 

@@ -266,21 +266,6 @@ def test_the_gluon_scopes_name_the_modifiers_their_kernels_lack(variant, modifie
     assert scope.modifier_reasons(prepare(q, k, k, validate_forward(q, k, k)).modifiers) == []
 
 
-def test_only_a_soft_cap_or_alibi_adds_a_term_to_every_score():
-    """Where a Gluon scope takes some head dims on dense calls with a window at most (``plain_head_dims``: the wide
-    backward kernels, the D = 256 forward), the soft cap and ALiBi keep a call off the Gluon kernel, while a window
-    (a mask) and a value head dim of its own (which the tuning key names: D = 192, Dv = 128) do not."""
-    q, k, v, _, _ = _inputs(1, 2, 2, 64, 64, 192, None, dtype=torch.float16)
-    v = v[..., :128].contiguous()
-    plain = prepare(q, k, v, validate_forward(q, k, v)).modifiers
-    assert "BLOCK_DV=128" in plain.key and not plain.score_terms
-    windowed = prepare(q, k, v, validate_forward(q, k, v, causal=True, window=(8, 0))).modifiers
-    assert windowed.window_left_bounded and not windowed.score_terms
-    for modifier in (dict(softcap=5.0), dict(alibi_slopes=torch.ones(2))):
-        modifier = {key: val.to(DEVICE) if isinstance(val, torch.Tensor) else val for key, val in modifier.items()}
-        assert prepare(q, k, v, validate_forward(q, k, v, **modifier)).modifiers.score_terms, modifier
-
-
 @pytest.mark.parametrize(
     "variant", [KernelVariant.FORWARD, KernelVariant.DKDV, KernelVariant.DQ, KernelVariant.ATOMIC_PREPROCESS]
 )
@@ -299,13 +284,13 @@ def test_the_gluon_scopes_take_the_head_dims_their_kernels_were_checked_with(var
         assert scope.head_dim_reasons(*dims) == [], dims
     for dims in {(64, 32), (256, 256), (192, 192), (192, 128)} - set(in_scope):
         assert any(f"D={dims[0]} Dv={dims[1]}" in r for r in scope.head_dim_reasons(*dims))
-    # D = 256 (and the backward's D = 192) was checked on dense calls with a window at most: with a soft cap, ALiBi
-    # or a packed batch the Triton kernel runs.
-    plain = [(256, 256)] if variant is KernelVariant.FORWARD else wide.get(variant, [])
+    # The forward at D = 256 and the wide backward kernels take every score modifier on dense calls, but no packed
+    # batch (those run the Triton kernel).
+    dense_only = [(256, 256)] if variant is KernelVariant.FORWARD else wide.get(variant, [])
     for dims in in_scope:
-        assert scope.plain_head_dim_reasons(*dims, modified=False) == []
-        named = any(f"D={dims[0]} Dv={dims[1]}" in r for r in scope.plain_head_dim_reasons(*dims, modified=True))
-        assert named == (dims in plain), dims
+        assert scope.dense_only_reasons(*dims, varlen=False) == []
+        named = any(f"D={dims[0]} Dv={dims[1]}" in r for r in scope.dense_only_reasons(*dims, varlen=True))
+        assert named == (dims in dense_only), dims
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES)

@@ -178,6 +178,41 @@ if gluon is not None:
         return p_t
 
     @gluon.jit
+    def _modified_scores_t(
+        s_t, lse2, qk_scale, keys, rows, start_n, diagonal_offset, cap_in, cap_out, slope_at, CAUSAL: gl.constexpr,
+        SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+    ):  # fmt: skip
+        """The base-2 scores of a raw ``S^T`` tile ``[keys, rows]`` with the soft cap and ALiBi applied, and the
+        ``lse2`` of its rows that P is taken from: ``P^T = exp2(s2 - lse2)`` -> ``(s2, lse2, tanh)``.
+
+        SOFTCAP: ``c tanh(s / c)`` (in base 2; ``common.softcap_scores``' math), ``tanh`` returned for the cap's
+        derivative ``1 - tanh^2`` in dS (unread otherwise).  ALIBI: ``-slope |i' - j|``, the slope read at
+        ``slope_at = (alibi_ptr, slopes_row, head, stride_b, stride_h)`` (``slopes_row``: the batch, or a packed
+        batch's sequence); with CAUSAL split as ``slope (j - start_n) - slope (i' - start_n)``: the keys' term is one
+        add per score, and the rows' term, constant down a column of S^T, joins lse2 (16 values a thread where
+        ``|i' - j|`` took a subtraction, a conversion and a multiply-add for each of 32 scores).  Both terms are
+        small where P is not negligible: keys near ``start_n``, rows near them.  (Keys right of the diagonal get a
+        wrong score; the caller's mask hides them.)"""
+        s2 = s_t * qk_scale
+        tanh = s2  # unread without SOFTCAP
+        if SOFTCAP:
+            tanh = gl.inline_asm_elementwise(
+                "tanh.approx.f32 $0, $1;", "=r,r", [s2 * cap_in], dtype=gl.float32, is_pure=True, pack=1
+            )
+            s2 = cap_out * tanh
+        if ALIBI:
+            alibi_ptr, slopes_row, head, stride_alibi_b, stride_alibi_h = slope_at
+            slope2 = 1.4426950408889634 * gl.load(
+                alibi_ptr + slopes_row.to(gl.int64) * stride_alibi_b + head * stride_alibi_h
+            )  # fmt: skip
+            if CAUSAL:
+                s2 = s2 + (slope2 * (keys - start_n).to(gl.float32))[:, None]
+                lse2 = lse2 + slope2 * (rows + diagonal_offset - start_n).to(gl.float32)
+            else:
+                s2 = s2 + _alibi_bias_t(keys, rows + diagonal_offset, slope2)
+        return s2, lse2, tanh
+
+    @gluon.jit
     def _alibi_bias_t(keys, positions, slope2):
         """ALiBi's term ``-slope |i' - j|`` in base 2 (``slope2``) as a ``[BLOCK_N, BLOCK_M]`` tile (keys along the
         rows, rows' positions ``i'`` along the columns), from the exact integer distance: keys and positions may be
@@ -507,27 +542,10 @@ if gluon is not None:
                 lse2 = stats_smem.index(stats_first + stats_slot).load(row_layout)
             else:
                 delta = _load_row_stat(delta_ptr, t, stats_at, 0.0, row_layout, BLOCK_M, DESCENDING)
-            s2 = s_t * qk_scale  # base-2 scores
-            if SOFTCAP:  # c tanh(s / c) (in base 2), tanh kept for its derivative 1 - tanh^2 in dS
-                # (common.softcap_scores' math, its derivative taken below where dS needs it)
-                tanh = gl.inline_asm_elementwise(
-                    "tanh.approx.f32 $0, $1;", "=r,r", [s2 * cap_in], dtype=gl.float32, is_pure=True, pack=1
-                )
-                s2 = cap_out * tanh
-            if ALIBI:
-                slope2 = 1.4426950408889634 * gl.load(
-                    alibi_ptr + slopes_row.to(gl.int64) * stride_alibi_b + (first_head + g) * stride_alibi_h
-                )  # fmt: skip
-                if CAUSAL:
-                    # -slope (i' - j) = slope (j - start_n) - slope (i' - start_n): the keys' term is one add per
-                    # score, and the rows' term, constant down a column of S^T, joins lse2 (16 values a thread
-                    # where |i' - j| took a subtraction, a conversion and a multiply-add for each of 32 scores).
-                    # Both terms are small where P is not negligible: keys within KEYS of start_n, rows near
-                    # them.  (Keys right of the diagonal get a wrong score; the mask below hides them.)
-                    s2 = s2 + (slope2 * (keys - start_n).to(gl.float32))[:, None]
-                    lse2 = lse2 + slope2 * (rows + diagonal_offset - start_n).to(gl.float32)
-                else:
-                    s2 = s2 + _alibi_bias_t(keys, rows + diagonal_offset, slope2)
+            s2, lse2, tanh = _modified_scores_t(
+                s_t, lse2, qk_scale, keys, rows, start_n, diagonal_offset, cap_in, cap_out,
+                (alibi_ptr, slopes_row, first_head + g, stride_alibi_b, stride_alibi_h), CAUSAL, SOFTCAP, ALIBI,
+            )  # fmt: skip
             p_t = gl.exp2(s2 - lse2[None, :])
             if MASKED:
                 p_t = _mask_cut_tile_t(

@@ -102,6 +102,25 @@ if gluon is not None:  # (a Triton without Gluon: forward_gluon defines no kerne
         return gl.exp2(s2 - lse2[:, None]), dcap
 
     @gluon.jit
+    def _alibi_split(
+        lse2, rows, start_m, diagonal_offset, local_keys, slope2, CAUSAL: gl.constexpr, ALIBI: gl.constexpr
+    ):  # fmt: skip
+        """ALiBi with a causal mask for the ``rows`` of a block from ``start_m`` -> ``(lse2_p, alibi_origin,
+        alibi_local)``: ``-slope (i' - j) = slope (j - r0) - slope (i' - r0)``, r0 the first row's position
+        (``alibi_origin``).  The rows' term, constant along a row, joins the lse2 that P is taken from (``lse2_p``;
+        the stored lse2 is unchanged); the keys' term is one add per score (``_tile_p``, from ``alibi_local =
+        slope2 * (0..BLOCK_N-1)`` by ``alibi_key_term``), where ``|i' - j|`` took a subtraction, a conversion and a
+        multiply-add.  Both terms are small where P is not negligible (rows within 64 of r0, keys near the rows).
+        Without it (or without CAUSAL) ``lse2_p`` is ``lse2``."""
+        alibi_origin = start_m + diagonal_offset
+        alibi_local = slope2 * local_keys.to(gl.float32)
+        if ALIBI and CAUSAL:
+            lse2_p = lse2 + slope2 * (rows - start_m).to(gl.float32)
+        else:
+            lse2_p = lse2
+        return lse2_p, alibi_origin, alibi_local
+
+    @gluon.jit
     def _row_stats(
         o_rows, stride_o_row, do_rows, stride_do_row, lse_ptr, lse2_ptr, delta_ptr, stats, first_row, start_m,
         seqlen_q, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, NUM_WARPS: gl.constexpr,
@@ -180,18 +199,10 @@ if gluon is not None:  # (a Triton without Gluon: forward_gluon defines no kerne
         diagonal_offset = seqlen_k - seqlen_q
         rows = start_m + gl.arange(0, ROWS, row_layout)
         local_keys = gl.arange(0, BLOCK_N, key_layout)
-        # ALiBi with a causal mask: -slope (i' - j) = slope (j - r0) - slope (i' - r0), r0 this warpgroup's first
-        # row's position.  The rows' term, constant along a row, joins the lse2 that P is taken from (the stored
-        # lse2 is unchanged); the keys' term is one add per score (_tile_p), where |i' - j| took a subtraction, a
-        # conversion and a multiply-add.  Both terms are small where P is not negligible (rows within 64 of r0,
-        # keys near the rows).
         slope2 = modifiers[4]
-        alibi_origin = start_m + diagonal_offset
-        alibi_local = slope2 * local_keys.to(gl.float32)
-        if ALIBI and CAUSAL:
-            lse2_p = lse2 + slope2 * (rows - start_m).to(gl.float32)
-        else:
-            lse2_p = lse2
+        lse2_p, alibi_origin, alibi_local = _alibi_split(
+            lse2, rows, start_m, diagonal_offset, local_keys, slope2, CAUSAL, ALIBI
+        )  # fmt: skip
         last_tail = seqlen_k - (first_key + (n_tiles - 1) * BLOCK_N)  # keys of the last tile in the sequence
         mbarrier.wait(q_bars.index(WARPGROUP), 0)
         q_tile = q_smem.index(WARPGROUP).reshape([ROWS, BLOCK_D])

@@ -43,8 +43,15 @@ Sliding windows take the D <= 128 kernels' loop bounds (``q_loop_bounds``, ``q_b
 band are never loaded, and the scores warpgroup masks P in those an edge cuts.  With a 1024-key causal window the
 backward ran 2.04-2.30x the Triton tiles' (``bench/results/h100_wide_bwd_window.csv``).
 
-Scope (``KernelVariant.DKDV`` and ``KernelVariant.DQ`` ``gluon_scope``, ``plain_head_dims``): ``WIDE_HEAD_DIMS``,
-dense calls, causal or not, windows, GQA; no soft cap, ALiBi or packed batches (those run the Triton tiles).  The
+The soft cap and ALiBi are terms of the scores, applied by the scores warpgroup with the D <= 128 kernels' helpers.
+The cap's derivative ``1 - tanh^2`` belongs to dS, which the other warpgroup forms: the scores warpgroup hands over
+``P (1 - tanh^2)`` (in the dQ kernel in P's slot, which the gradients warpgroup reads only for dS; in the dK/dV kernel
+in a third slot, since that warpgroup's half of dV needs P itself).  At Gemma-2's shape (D = 256, soft cap 50, bf16,
+causal) the backward ran 2.04-2.13x the Triton tiles' and 3.2x FlexAttention's, with ALiBi 2.26-2.40x and 2.9-3.0x
+(``bench/results/h100_d256_modifiers_ab.csv``).
+
+Scope (``KernelVariant.DKDV`` and ``KernelVariant.DQ`` ``gluon_scope``, ``dense_only_head_dims``): ``WIDE_HEAD_DIMS``,
+dense calls, causal or not, windows, the soft cap, ALiBi, GQA; packed batches run the Triton tiles.  The
 five-product backward has no block above D = 128: ``triton_atomic`` runs its Triton kernel there (and,
 deterministic, this backward).
 """
@@ -79,9 +86,9 @@ if TYPE_CHECKING:
 
 if gluon is not None:
     # The other Gluon kernels' helpers (defined only where Gluon is).
-    from .backward_gluon import _load_row_stat, _mask_cut_tile_t, _tile_of
-    from .backward_gluon_dq import _row_stats, _tile_p
-    from .forward_gluon import q_block_tiles
+    from .backward_gluon import _load_row_stat, _mask_cut_tile_t, _modified_scores_t, _tile_of
+    from .backward_gluon_dq import _alibi_split, _row_stats, _tile_p
+    from .forward_gluon import alibi_key_term, q_block_tiles
 
     @gluon.jit
     def _load_three(descs, bar, tiles, batch, head, row):
@@ -94,16 +101,19 @@ if gluon is not None:
         tma_load(descs[2], [batch, head, row, 0], bar, tiles[2])
 
     @gluon.jit
-    def _wide_buffers(resident_descs, ring_descs, NUM_STAGES: gl.constexpr, DTYPE: gl.constexpr):
+    def _wide_buffers(
+        resident_descs, ring_descs, NUM_STAGES: gl.constexpr, DTYPE: gl.constexpr, SCALED_P: gl.constexpr
+    ):  # fmt: skip
         """Both kernels' shared memory: three resident tiles (K's two column parts and V, or Q's and dO) with the
         mbarrier their loads complete; three rings of NUM_STAGES tiles (Q's parts and dO, or K's and V) with each
         slot's "ready" mbarrier and its "empty" one, which an arrive of each warpgroup completes; and what the
         warpgroups exchange a tile through, a P slot and a dS slot ``[rows of the resident tiles, rows of the
-        ring's]`` with six mbarriers: p_ready, p_free, ds_ready, ds_free (one arrive completes them), loop_done,
-        halves_stored (one from each warpgroup).
+        ring's]`` (SCALED_P: a third, for P times the soft cap's derivative) with six mbarriers: p_ready, p_free,
+        ds_ready, ds_free (one arrive completes them), loop_done, halves_stored (one from each warpgroup).
         -> ``(smem, resident_bar, ring_ready, ring_empty, exchange_bars, exchange)``: ``smem = (resident part 1,
-        part 2, resident values, ring part 1, part 2, ring values, p_smem, ds_smem)``, ``exchange`` the six
-        mbarriers (``_invalidate_wide`` takes the arrays)."""
+        part 2, resident values, ring part 1, part 2, ring values, p_smem, ds_smem, scaled_p_smem)`` (without
+        SCALED_P the last is p_smem again), ``exchange`` the six mbarriers (``_invalidate_wide`` takes the
+        arrays)."""
         ROWS: gl.constexpr = resident_descs[0].block_type.shape[2]
         COLS: gl.constexpr = ring_descs[0].block_type.shape[2]
         resident = gl.allocate_shared_memory(DTYPE, resident_descs[0].block_type.shape, resident_descs[0].layout)
@@ -121,6 +131,10 @@ if gluon is not None:
         layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, COLS], DTYPE)
         p_smem = gl.allocate_shared_memory(DTYPE, [ROWS, COLS], layout)
         ds_smem = gl.allocate_shared_memory(DTYPE, [ROWS, COLS], layout)
+        if SCALED_P:
+            scaled_p_smem = gl.allocate_shared_memory(DTYPE, [ROWS, COLS], layout)
+        else:
+            scaled_p_smem = p_smem  # not used
         resident_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ring_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         ring_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -136,7 +150,7 @@ if gluon is not None:
             exchange_bars.index(0), exchange_bars.index(1), exchange_bars.index(2), exchange_bars.index(3),
             exchange_bars.index(4), exchange_bars.index(5),
         )  # fmt: skip
-        smem = (resident, resident2, resident_v, ring, ring2, ring_v, p_smem, ds_smem)
+        smem = (resident, resident2, resident_v, ring, ring2, ring_v, p_smem, ds_smem, scaled_p_smem)
         return smem, resident_bar, ring_ready, ring_empty, exchange_bars, exchange
 
     @gluon.jit
@@ -150,24 +164,28 @@ if gluon is not None:
 
     @gluon.jit
     def _dkdv_half(
-        smem, bars, scalars, stats, stats_at, PART: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
-        BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr,
-        WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        smem, bars, scalars, modifiers, stats, stats_at, PART: gl.constexpr, BLOCK_M: gl.constexpr,
+        KEYS: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr,
+        CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+        ALIBI: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
     ):  # fmt: skip
         """The loop of one warpgroup (the module docstring's table): PART 0 the scores warpgroup, PART 1 the
         gradients warpgroup; each accumulates its columns of dK (PART 0 the second part's BLOCK_D2, PART 1 the
         first part's BLOCK_D) and its half of dV's BLOCK_DV for the block's KEYS keys, then stores them into K's
         and V's shared memory tiles (TMA-stored by the scores warpgroup).
 
-        ``smem = (k_smem, k2_smem, v_smem, q_ring, q2_ring, do_ring, pt_smem, ds_smem)``; ``bars = (q_do_bars,
-        q_do_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored)``; ``scalars = (lo, unmasked_lo,
-        unmasked_hi, n_iters, tiles_per_head, start_n, diagonal_offset, window_left, window_right, sm_scale,
+        ``smem = (k_smem, k2_smem, v_smem, q_ring, q2_ring, do_ring, pt_smem, ds_smem, scaled_pt_smem)``; ``bars =
+        (q_do_bars, q_do_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored)``; ``scalars = (lo,
+        unmasked_lo, unmasked_hi, n_iters, tiles_per_head, start_n, diagonal_offset, batch, first_head, sm_scale,
         qk_scale)``: Q tiles below ``unmasked_lo`` or from ``unmasked_hi`` on take the mask (``q_loop_bounds``);
-        ``stats = (lse2_ptr, delta_ptr)``."""
-        k_smem, k2_smem, v_smem, q_ring, q2_ring, do_ring, pt_smem, ds_smem = smem
+        ``modifiers = (window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h)`` as
+        the D <= 128 kernel takes them (the soft cap and ALiBi apply in the scores warpgroup, which with SOFTCAP
+        also hands over ``P^T (1 - tanh^2)`` for the other's dS^T); ``stats = (lse2_ptr, delta_ptr)``."""
+        k_smem, k2_smem, v_smem, q_ring, q2_ring, do_ring, pt_smem, ds_smem, scaled_pt_smem = smem
         q_do_bars, q_do_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored = bars
-        (lo, unmasked_lo, unmasked_hi, n_iters, tiles_per_head, start_n, diagonal_offset, window_left, window_right,
-         sm_scale, qk_scale) = scalars  # fmt: skip
+        (lo, unmasked_lo, unmasked_hi, n_iters, tiles_per_head, start_n, diagonal_offset, batch, first_head, sm_scale,
+         qk_scale) = scalars  # fmt: skip
+        window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h = modifiers
         lse2_ptr, delta_ptr = stats
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
         DK_COLS: gl.constexpr = BLOCK_D2 if PART == 0 else BLOCK_D
@@ -190,7 +208,7 @@ if gluon is not None:
         scores = gl.zeros([KEYS, BLOCK_M], gl.float32, st_layout)  # S^T or dP^T (ignored accumulator input)
 
         for t in range(n_iters):
-            _, start_m = _tile_of(t, lo, tiles_per_head, BLOCK_M, False)
+            g, start_m = _tile_of(t, lo, tiles_per_head, BLOCK_M, False)
             rows = start_m + local_rows
             use = t & 1  # the exchange barriers complete once per tile
             # This warpgroup's statistic of the tile's rows, loaded before the waits so that they hide its latency.
@@ -207,7 +225,11 @@ if gluon is not None:
                 scores = warpgroup_mma(k_tile, q_tile.permute((1, 0)), scores, use_acc=False, is_async=True)
                 scores = warpgroup_mma(k2_tile, q2_tile.permute((1, 0)), scores, is_async=True)
                 scores = warpgroup_mma_wait(0, deps=(scores,))
-                p_t = gl.exp2(scores * qk_scale - lse2[None, :])
+                s2, lse2, tanh = _modified_scores_t(
+                    scores, lse2, qk_scale, keys, rows, start_n, diagonal_offset, cap_in, cap_out,
+                    (alibi_ptr, batch, first_head + g, stride_alibi_b, stride_alibi_h), CAUSAL, SOFTCAP, ALIBI,
+                )  # fmt: skip
+                p_t = gl.exp2(s2 - lse2[None, :])
                 if CAUSAL or WINDOW_LEFT or WINDOW_RIGHT:
                     p_t = _mask_cut_tile_t(
                         p_t, start_m, unmasked_lo, unmasked_hi, keys, rows, diagonal_offset, window_left,
@@ -217,6 +239,9 @@ if gluon is not None:
                 # The gradients warpgroup has read the previous P^T (its dS^T and its dV product are done).
                 mbarrier.wait(p_free, use ^ 1)
                 pt_smem.store(p_16)
+                if SOFTCAP:  # dS^T = P^T (dP^T - Delta) (1 - tanh^2): the other warpgroup takes the first and last
+                    # factors as one tile (rounded as P^T is), its registers holding no more than without the cap
+                    scaled_pt_smem.store((p_t * (1.0 - tanh * tanh)).to(DTYPE))
                 fence_async_shared()
                 cta_barrier()  # every warp's rows are in before the one arrive
                 mbarrier.arrive(p_ready)
@@ -229,7 +254,10 @@ if gluon is not None:
             else:
                 scores = warpgroup_mma(v_tile, do_tile.permute((1, 0)), scores, use_acc=False, is_async=True)
                 mbarrier.wait(p_ready, use)
-                p_t = pt_smem.load(st_layout).to(gl.float32)
+                if SOFTCAP:
+                    p_t = scaled_pt_smem.load(st_layout).to(gl.float32)
+                else:
+                    p_t = pt_smem.load(st_layout).to(gl.float32)
                 scores = warpgroup_mma_wait(0, deps=(scores,))
                 ds_16 = (p_t * (scores - delta[None, :])).to(DTYPE)
                 mbarrier.wait(ds_free, use ^ 1)  # the scores warpgroup's dK product has read the previous dS^T
@@ -277,16 +305,16 @@ if gluon is not None:
 
     @gluon.jit
     def _dkdv_wide_scores(
-        smem, bars, kv_bar, scalars, stats, stats_at, out_descs, batch, kv_head,
+        smem, bars, kv_bar, scalars, modifiers, stats, stats_at, out_descs, batch, kv_head,
         BLOCK_M: gl.constexpr, KEYS: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
         BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
     ):  # fmt: skip
         """The default partition: the scores warpgroup's loop, then the TMA stores of dK's parts and dV
         (``out_descs``) once both warpgroups have written their columns."""
         mbarrier.wait(kv_bar, 0)
-        _dkdv_half(smem, bars, scalars, stats, stats_at, 0, BLOCK_M, KEYS, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL,
-                   WINDOW_LEFT, WINDOW_RIGHT, NUM_STAGES, IS_FP16)  # fmt: skip
+        _dkdv_half(smem, bars, scalars, modifiers, stats, stats_at, 0, BLOCK_M, KEYS, BLOCK_D, BLOCK_D2, BLOCK_DV,
+                   CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, NUM_STAGES, IS_FP16)  # fmt: skip
         mbarrier.wait(bars[7], 0)  # halves_stored: both warpgroups' columns are in
         start_n = scalars[5]
         tma_store(out_descs[0], [batch, kv_head, start_n, 0], smem[0])
@@ -296,18 +324,19 @@ if gluon is not None:
 
     @gluon.jit
     def _dkdv_wide_gradients(
-        smem, bars, kv_bar, scalars, stats, stats_at, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
+        smem, bars, kv_bar, scalars, modifiers, stats, stats_at, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
         BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr,
-        WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
     ):  # fmt: skip
         """The second warpgroup: the gradients warpgroup's loop."""
         mbarrier.wait(kv_bar, 0)
-        _dkdv_half(smem, bars, scalars, stats, stats_at, 1, BLOCK_M, KEYS, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL,
-                   WINDOW_LEFT, WINDOW_RIGHT, NUM_STAGES, IS_FP16)  # fmt: skip
+        _dkdv_half(smem, bars, scalars, modifiers, stats, stats_at, 1, BLOCK_M, KEYS, BLOCK_D, BLOCK_D2, BLOCK_DV,
+                   CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, NUM_STAGES, IS_FP16)  # fmt: skip
 
     @gluon.jit(do_not_specialize=[
         "num_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "num_n_blocks", "window_left",
-        "window_right",
+        "window_right", "stride_alibi_b", "stride_alibi_h",
     ])  # fmt: skip
     def attention_dkdv_wide_kernel(
         q_desc,
@@ -331,6 +360,11 @@ if gluon is not None:
         qk_scale,
         window_left,
         window_right,
+        cap_in,
+        cap_out,
+        alibi_ptr,
+        stride_alibi_b,
+        stride_alibi_h,
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
         BLOCK_D: gl.constexpr,
@@ -339,6 +373,8 @@ if gluon is not None:
         CAUSAL: gl.constexpr,
         WINDOW_LEFT: gl.constexpr,
         WINDOW_RIGHT: gl.constexpr,
+        SOFTCAP: gl.constexpr,
+        ALIBI: gl.constexpr,
         NUM_STAGES: gl.constexpr,
         IS_FP16: gl.constexpr,
     ):
@@ -347,7 +383,10 @@ if gluon is not None:
         scores warpgroup) and given the gradients warpgroup and the producer warp by ``gl.warp_specialize``.  The
         head dim arrives in two column parts (``q_desc``/``k_desc``/``dk_desc`` BLOCK_D = 128 columns,
         ``q2_desc``/``k2_desc``/``dk2_desc`` the next BLOCK_D2), v, do and dv in one of BLOCK_DV.  WINDOW_LEFT /
-        WINDOW_RIGHT: the sliding window's bounds ``window_left`` / ``window_right`` (``ScoreModifiers``)."""
+        WINDOW_RIGHT: the sliding window's bounds ``window_left`` / ``window_right`` (``ScoreModifiers``).  SOFTCAP:
+        scores become ``c tanh(s / c)`` (``cap_in``, ``cap_out`` as ``ScoreModifiers`` gives them; the hardware's
+        ``tanh.approx.f32``).  ALIBI: ``-slope |i' - j|`` with the slopes float32 ``[B, H]`` at ``alibi_ptr`` (strides
+        given), split as the D <= 128 kernel splits it under a causal mask."""
         gl.static_assert(BLOCK_N == 64 and BLOCK_M == 64, "64 keys a block (one warpgroup's M), 64-row Q tiles")
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
         pid = gl.program_id(0)
@@ -369,12 +408,13 @@ if gluon is not None:
         kv_descs = (k_desc, k2_desc, v_desc)
         q_descs = (q_desc, q2_desc, do_desc)
         smem, kv_bar, q_do_bars, q_do_empty, exchange_bars, exchange = _wide_buffers(
-            kv_descs, q_descs, NUM_STAGES, DTYPE
+            kv_descs, q_descs, NUM_STAGES, DTYPE, SOFTCAP
         )  # fmt: skip
         p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored = exchange
         bars = (q_do_bars, q_do_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored)
-        scalars = (lo, unmasked_lo, unmasked_hi, n_iters, tiles_per_head, start_n, seqlen_k - seqlen_q, window_left,
-                   window_right, sm_scale, qk_scale)  # fmt: skip
+        scalars = (lo, unmasked_lo, unmasked_hi, n_iters, tiles_per_head, start_n, seqlen_k - seqlen_q, batch,
+                   first_head, sm_scale, qk_scale)  # fmt: skip
+        modifiers = (window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h)
         stats = (lse2_ptr, delta_ptr)
         stats_at = (n_iters, lo, tiles_per_head, batch * num_heads + first_head, seqlen_q, 0, seqlen_q)
         out_descs = (dk_desc, dk2_desc, dv_desc)
@@ -382,11 +422,12 @@ if gluon is not None:
         # (by what is left) the scores warpgroup get 240 registers, the producer warp 24.
         gl.warp_specialize(
             [
-                (_dkdv_wide_scores, (smem, bars, kv_bar, scalars, stats, stats_at, out_descs, batch, kv_head,
-                                     BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
-                                     NUM_STAGES, IS_FP16)),
-                (_dkdv_wide_gradients, (smem, bars, kv_bar, scalars, stats, stats_at, BLOCK_M, BLOCK_N, BLOCK_D,
-                                        BLOCK_D2, BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, NUM_STAGES, IS_FP16)),
+                (_dkdv_wide_scores, (smem, bars, kv_bar, scalars, modifiers, stats, stats_at, out_descs, batch,
+                                     kv_head, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, WINDOW_LEFT,
+                                     WINDOW_RIGHT, SOFTCAP, ALIBI, NUM_STAGES, IS_FP16)),
+                (_dkdv_wide_gradients, (smem, bars, kv_bar, scalars, modifiers, stats, stats_at, BLOCK_M, BLOCK_N,
+                                        BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+                                        ALIBI, NUM_STAGES, IS_FP16)),
                 (_dkdv_wide_load_tiles, (q_descs, kv_descs, smem, kv_bar, q_do_bars, q_do_empty, batch, kv_head,
                                          start_n, first_head, lo, tiles_per_head, n_iters, BLOCK_M, NUM_STAGES)),
             ],
@@ -398,9 +439,10 @@ if gluon is not None:
 
     @gluon.jit
     def _dq_half(
-        smem, bars, scalars, pointers, PART: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+        smem, bars, scalars, modifiers, pointers, PART: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
         BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-        WINDOW_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, NUM_STAGES: gl.constexpr,
+        IS_FP16: gl.constexpr,
     ):  # fmt: skip
         """The dQ kernel's loop of one warpgroup over the K/V tiles of a 64-row Q block, the dK/dV kernel's
         exchange with the roles of rows and keys swapped: PART 0 computes ``S_j = Q K_j^T`` and ``P_j`` and hands
@@ -409,15 +451,16 @@ if gluon is not None:
         scaled, into Q's shared memory tiles (TMA-stored by PART 0).  PART 1 also writes Delta and lse2 for the
         dK/dV kernel (``_row_stats``).
 
-        ``smem = (q_smem, q2_smem, do_smem, k_ring, k2_ring, v_ring, p_smem, ds_smem)``; ``bars = (q_bar, kv_ready,
-        kv_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored)``; ``scalars = (start_m, seqlen_q,
-        seqlen_k, first_key, left_tiles, unmasked_tiles, n_tiles, window_left, window_right, sm_scale, qk_scale)``:
-        the K/V tiles below ``left_tiles`` (the window's left edge) or from ``unmasked_tiles`` on take the mask
-        (``q_block_tiles``); ``pointers`` as ``_row_stats`` takes them, and lse."""
-        q_smem, q2_smem, do_smem, k_ring, k2_ring, v_ring, p_smem, ds_smem = smem
+        ``smem = (q_smem, q2_smem, do_smem, k_ring, k2_ring, v_ring, p_smem, ds_smem, _)``; ``bars = (q_bar,
+        kv_ready, kv_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored)``; ``scalars = (start_m,
+        seqlen_q, seqlen_k, first_key, left_tiles, unmasked_tiles, n_tiles, sm_scale, qk_scale)``: the K/V tiles
+        below ``left_tiles`` (the window's left edge) or from ``unmasked_tiles`` on take the mask
+        (``q_block_tiles``); ``modifiers = (window_left, window_right, cap_in, cap_out, slope2)`` as ``_tile_p``
+        takes them (the soft cap and ALiBi apply in PART 0, which with SOFTCAP hands over ``P (1 - tanh^2)``, all
+        that PART 1 reads of P); ``pointers`` as ``_row_stats`` takes them, and lse."""
+        q_smem, q2_smem, do_smem, k_ring, k2_ring, v_ring, p_smem, ds_smem, _ = smem
         q_bar, kv_ready, kv_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored = bars
-        (start_m, seqlen_q, seqlen_k, first_key, left_tiles, unmasked_tiles, n_tiles, window_left, window_right,
-         sm_scale, qk_scale) = scalars  # fmt: skip
+        start_m, seqlen_q, seqlen_k, first_key, left_tiles, unmasked_tiles, n_tiles, sm_scale, qk_scale = scalars
         o_rows, stride_o_row, do_rows, stride_do_row, lse_ptr, lse2_ptr, delta_ptr, stats = pointers
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
         ROWS: gl.constexpr = q_smem.type.shape[2]
@@ -430,8 +473,12 @@ if gluon is not None:
         rows = start_m + gl.arange(0, ROWS, row_layout)
         local_keys = gl.arange(0, BLOCK_N, key_layout)
         diagonal_offset = seqlen_k - seqlen_q
+        slope2 = modifiers[4]
         if PART == 0:  # lse in base 2 (+inf on an empty row: P = 0), as _row_stats stores it
             lse2 = load_lse2(lse_ptr + stats + rows, rows, seqlen_q, True)
+            lse2, alibi_origin, alibi_local = _alibi_split(
+                lse2, rows, start_m, diagonal_offset, local_keys, slope2, CAUSAL, ALIBI
+            )  # fmt: skip
         else:
             delta, _ = _row_stats(
                 o_rows, stride_o_row, do_rows, stride_do_row, lse_ptr, lse2_ptr, delta_ptr, stats, start_m, start_m,
@@ -444,7 +491,6 @@ if gluon is not None:
         do_tile = do_smem.reshape([ROWS, BLOCK_DV])
         dq = gl.zeros([ROWS, DQ_COLS], gl.float32, dq_layout)
         scores = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)  # S or dP (ignored accumulator input)
-        window = (window_left, window_right, 0.0, 0.0, 0.0)  # _tile_p's modifiers: the window alone
 
         for j in range(n_tiles):
             use = j & 1
@@ -457,11 +503,15 @@ if gluon is not None:
                 scores = warpgroup_mma_wait(0, deps=(scores,))
                 # Tiles from unmasked_tiles on are cut by the diagonal (or the window's right edge) or by Nk, and those
                 # below left_tiles by the window's left edge (q_block_tiles).
-                p, _ = _tile_p(
+                p, dcap = _tile_p(
                     scores, lse2, rows, first_key + j * BLOCK_N + local_keys, diagonal_offset, seqlen_k, qk_scale,
-                    window, local_keys, (j < left_tiles) | (j >= unmasked_tiles), CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
-                    False, False,
+                    modifiers,
+                    alibi_key_term(alibi_local, first_key + j * BLOCK_N, alibi_origin, slope2, CAUSAL, ALIBI),
+                    (j < left_tiles) | (j >= unmasked_tiles), CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI,
                 )  # fmt: skip
+                if SOFTCAP:  # dS = P (dP - Delta) (1 - tanh^2): PART 1 takes P only for dS, so the slot holds the
+                    # first and last factors as one tile (rounded as P is)
+                    p = p * dcap
                 p_16 = p.to(DTYPE)
                 mbarrier.wait(p_free, use ^ 1)  # the other warpgroup has read the previous P
                 p_smem.store(p_16)
@@ -519,13 +569,14 @@ if gluon is not None:
 
     @gluon.jit
     def _dq_wide_scores(
-        smem, bars, scalars, pointers, dq_descs, batch, head, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-        BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-        WINDOW_RIGHT: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        smem, bars, scalars, modifiers, pointers, dq_descs, batch, head, BLOCK_N: gl.constexpr,
+        BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr,
+        WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
     ):  # fmt: skip
         """The dQ kernel's default partition: the scores warpgroup's loop, then the TMA stores of dQ's parts."""
-        _dq_half(smem, bars, scalars, pointers, 0, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, WINDOW_LEFT,
-                 WINDOW_RIGHT, NUM_STAGES, IS_FP16)  # fmt: skip
+        _dq_half(smem, bars, scalars, modifiers, pointers, 0, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL,
+                 WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, NUM_STAGES, IS_FP16)  # fmt: skip
         mbarrier.wait(bars[8], 0)  # halves_stored
         tma_store(dq_descs[0], [batch, head, scalars[0], 0], smem[0])
         tma_store(dq_descs[1], [batch, head, scalars[0], 0], smem[1])
@@ -533,36 +584,39 @@ if gluon is not None:
 
     @gluon.jit
     def _dq_wide_gradients(
-        smem, bars, scalars, pointers, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
-        BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        smem, bars, scalars, modifiers, pointers, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+        BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+        WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, NUM_STAGES: gl.constexpr,
+        IS_FP16: gl.constexpr,
     ):  # fmt: skip
-        _dq_half(smem, bars, scalars, pointers, 1, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, WINDOW_LEFT,
-                 WINDOW_RIGHT, NUM_STAGES, IS_FP16)  # fmt: skip
+        _dq_half(smem, bars, scalars, modifiers, pointers, 1, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL,
+                 WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, NUM_STAGES, IS_FP16)  # fmt: skip
 
     @gluon.jit(do_not_specialize=[
         "num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks", "window_left", "window_right",
+        "stride_alibi_b", "stride_alibi_h",
     ])  # fmt: skip
     def attention_dq_wide_kernel(
         q_desc, q2_desc, k_desc, k2_desc, v_desc, do_desc, dq_desc, dq2_desc, lse_ptr, lse2_ptr, delta_ptr,
         o_ptr, stride_ob, stride_oh, stride_om, do_ptr, stride_dob, stride_doh, stride_dom,
         num_heads, group_size, seqlen_q, seqlen_k, num_m_blocks, sm_scale, qk_scale, window_left, window_right,
+        cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
         BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
     ):  # fmt: skip
         """dQ (and Delta, lse2) of one block of BLOCK_M = 64 rows of one (batch, head); grid: 1-d, ``num_m_blocks *
         B * H`` programs in ``q_block_tiles``' order, launched with 4 warps (the scores warpgroup) and given the
         gradients warpgroup and the producer warp by ``gl.warp_specialize``.  q, k and dq arrive in two column parts
         (BLOCK_D = 128 and BLOCK_D2 columns), v and do in one of BLOCK_DV; o and do are also read through their
         pointers and strides (Delta), lse (read), lse2 and Delta (written) are ``[B, H, Nq]`` float32 contiguous.
-        WINDOW_LEFT / WINDOW_RIGHT: the sliding window's bounds, as in the dK/dV kernel."""
+        WINDOW_LEFT / WINDOW_RIGHT, SOFTCAP, ALIBI: the score modifiers, as in the dK/dV kernel."""
         gl.static_assert(BLOCK_N == 64 and BLOCK_M == 64, "64-row Q blocks (one warpgroup's M), 64-key tiles")
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
-        problem = (num_m_blocks, num_heads, group_size, seqlen_q, seqlen_k, window_left, window_right, lse_ptr, 0, 0,
-                   (lse_ptr, lse_ptr, 0, 0), (seqlen_q, o_ptr, 0))  # fmt: skip
-        (bh, batch, head, kv_head, start_m, first_key, left_tiles, unmasked_tiles, n_tiles, _, _, _, _) = (
-            q_block_tiles(gl.program_id(0), problem, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, False, False)
+        problem = (num_m_blocks, num_heads, group_size, seqlen_q, seqlen_k, window_left, window_right, alibi_ptr,
+                   stride_alibi_b, stride_alibi_h, (lse_ptr, lse_ptr, 0, 0), (seqlen_q, o_ptr, 0))  # fmt: skip
+        (bh, batch, head, kv_head, start_m, first_key, left_tiles, unmasked_tiles, n_tiles, slope2, _, _, _) = (
+            q_block_tiles(gl.program_id(0), problem, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, ALIBI, False)
         )  # fmt: skip
         stats = bh.to(gl.int64) * seqlen_q
         o_rows = o_ptr + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
@@ -570,19 +624,22 @@ if gluon is not None:
 
         q_descs = (q_desc, q2_desc, do_desc)
         kv_descs = (k_desc, k2_desc, v_desc)
-        smem, q_bar, kv_ready, kv_empty, exchange_bars, exchange = _wide_buffers(q_descs, kv_descs, NUM_STAGES, DTYPE)
+        smem, q_bar, kv_ready, kv_empty, exchange_bars, exchange = _wide_buffers(
+            q_descs, kv_descs, NUM_STAGES, DTYPE, False
+        )  # fmt: skip
         p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored = exchange
         bars = (q_bar, kv_ready, kv_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored)
-        scalars = (start_m, seqlen_q, seqlen_k, first_key, left_tiles, unmasked_tiles, n_tiles, window_left,
-                   window_right, sm_scale, qk_scale)  # fmt: skip
+        scalars = (start_m, seqlen_q, seqlen_k, first_key, left_tiles, unmasked_tiles, n_tiles, sm_scale, qk_scale)
+        modifiers = (window_left, window_right, cap_in, cap_out, slope2)
         pointers = (o_rows, stride_om, do_rows, stride_dom, lse_ptr, lse2_ptr, delta_ptr, stats)
         dq_descs = (dq_desc, dq2_desc)
         gl.warp_specialize(
             [
-                (_dq_wide_scores, (smem, bars, scalars, pointers, dq_descs, batch, head, BLOCK_N, BLOCK_D, BLOCK_D2,
-                                   BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, NUM_STAGES, IS_FP16)),
-                (_dq_wide_gradients, (smem, bars, scalars, pointers, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL,
-                                      WINDOW_LEFT, WINDOW_RIGHT, NUM_STAGES, IS_FP16)),
+                (_dq_wide_scores, (smem, bars, scalars, modifiers, pointers, dq_descs, batch, head, BLOCK_N, BLOCK_D,
+                                   BLOCK_D2, BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, NUM_STAGES,
+                                   IS_FP16)),
+                (_dq_wide_gradients, (smem, bars, scalars, modifiers, pointers, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV,
+                                      CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, NUM_STAGES, IS_FP16)),
                 (_dq_wide_load_tiles, (q_descs, kv_descs, smem, q_bar, kv_ready, kv_empty, batch, head, kv_head,
                                        start_m, first_key, n_tiles, NUM_STAGES)),
             ],
@@ -620,18 +677,24 @@ def _check_wide_call(
         )
 
 
-def _window_args(modifiers: ScoreModifiers | None) -> tuple[int, int]:
-    """The window's sides as the kernels take them (``ScoreModifiers.args``; 0 where there is none)."""
-    return (0, 0) if modifiers is None else modifiers.args[1:3]
-
-
-def _window_flags(modifiers: ScoreModifiers | None) -> dict[str, bool]:
-    """WINDOW_LEFT and WINDOW_RIGHT; ValueError for a score modifier the kernels do not apply (a soft cap, ALiBi)."""
+def _modifier_args(modifiers: ScoreModifiers | None, q: torch.Tensor) -> tuple:
+    """The score modifiers' arguments as both kernels take them after ``qk_scale``: ``(window_left, window_right,
+    cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h)`` (``ScoreModifiers.args``; q stands in for the
+    slopes where there are none)."""
     if modifiers is None:
-        return dict(WINDOW_LEFT=False, WINDOW_RIGHT=False)
-    if modifiers.softcap or modifiers.alibi:
-        raise ValueError("the wide backward kernels apply a window, not a soft cap or ALiBi")
-    return dict(WINDOW_LEFT=modifiers.flags["WINDOW_LEFT"], WINDOW_RIGHT=modifiers.flags["WINDOW_RIGHT"])
+        return 0, 0, 0.0, 0.0, q, 0, 0
+    return modifiers.args[1:8]
+
+
+def _modifier_flags(modifiers: ScoreModifiers | None) -> dict[str, bool]:
+    """WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP (the hardware's tanh, as the kernels always take it) and ALIBI."""
+    if modifiers is None:
+        return dict(WINDOW_LEFT=False, WINDOW_RIGHT=False, SOFTCAP=False, ALIBI=False)
+    flags = modifiers.flags
+    return dict(
+        WINDOW_LEFT=flags["WINDOW_LEFT"], WINDOW_RIGHT=flags["WINDOW_RIGHT"], SOFTCAP=flags["SOFTCAP"] != 0,
+        ALIBI=flags["ALIBI"],
+    )  # fmt: skip
 
 
 def _part_descriptors(x: torch.Tensor, rows: int) -> tuple:
@@ -660,8 +723,8 @@ def attention_dkdv_wide_hopper(
     head group).
 
     ``q`` ``[B, H, Nq, D]``, ``do`` ``[B, H, Nq, Dv]``, ``k`` ``[B, Hkv, Nk, D]``, ``v`` ``[B, Hkv, Nk, Dv]`` with
-    (D, Dv) in ``WIDE_HEAD_DIMS``, in the scope that ``KernelVariant.DKDV.gluon_scope`` checks (dense; of the score
-    modifiers, ``modifiers``, a window only); ``lse2`` and ``delta`` ``[B, H, Nq]`` float32 contiguous, as the dQ
+    (D, Dv) in ``WIDE_HEAD_DIMS``, in the scope that ``KernelVariant.DKDV.gluon_scope`` checks (dense; any score
+    modifiers, ``modifiers``); ``lse2`` and ``delta`` ``[B, H, Nq]`` float32 contiguous, as the dQ
     kernel writes them."""
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -671,9 +734,10 @@ def attention_dkdv_wide_hopper(
     attention_dkdv_wide_kernel[(num_n_blocks * B * Hkv,)](
         *_part_descriptors(q, block_m), *_part_descriptors(k, block_n), tile_descriptor(v, block_n),
         tile_descriptor(do, block_m), *_part_descriptors(dk, block_n), tile_descriptor(dv, block_n), lse2, delta,
-        H, Hkv, H // Hkv, Nq, Nk, num_n_blocks, scale, scale * LOG2E, *_window_args(modifiers),
+        H, Hkv, H // Hkv, Nq, Nk, num_n_blocks, scale, scale * LOG2E, *_modifier_args(modifiers, q),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=first, BLOCK_D2=second, BLOCK_DV=Dv, CAUSAL=causal,
-        **_window_flags(modifiers), NUM_STAGES=num_stages, IS_FP16=q.dtype == torch.float16, num_warps=KERNEL_WARPS,
+        **_modifier_flags(modifiers), NUM_STAGES=num_stages, IS_FP16=q.dtype == torch.float16,
+        num_warps=KERNEL_WARPS,
     )  # fmt: skip
 
 
@@ -699,7 +763,7 @@ def attention_dq_wide_hopper(
 
     ``q`` ``[B, H, Nq, D]``, ``o``, ``do`` ``[B, H, Nq, Dv]``, ``k`` ``[B, Hkv, Nk, D]``, ``v`` ``[B, Hkv, Nk, Dv]``
     with (D, Dv) in ``WIDE_HEAD_DIMS``, ``lse`` ``[B, H, Nq]`` (natural log, contiguous) in the scope that
-    ``KernelVariant.DQ.gluon_scope`` checks (dense; of the score modifiers, ``modifiers``, a window only)."""
+    ``KernelVariant.DQ.gluon_scope`` checks (dense; any score modifiers, ``modifiers``)."""
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     _check_wide_call(q, v, block_m, block_n, num_stages, "dQ")
@@ -711,7 +775,8 @@ def attention_dq_wide_hopper(
         *_part_descriptors(q, block_m), *_part_descriptors(k, block_n), tile_descriptor(v, block_n),
         tile_descriptor(do, block_m), *_part_descriptors(dq, block_m), lse, lse2, delta,
         o, *o.stride()[:3], do, *do.stride()[:3],
-        H, H // Hkv, Nq, Nk, num_m_blocks, scale, scale * LOG2E, *_window_args(modifiers),
+        H, H // Hkv, Nq, Nk, num_m_blocks, scale, scale * LOG2E, *_modifier_args(modifiers, q),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=first, BLOCK_D2=second, BLOCK_DV=Dv, CAUSAL=causal,
-        **_window_flags(modifiers), NUM_STAGES=num_stages, IS_FP16=q.dtype == torch.float16, num_warps=KERNEL_WARPS,
+        **_modifier_flags(modifiers), NUM_STAGES=num_stages, IS_FP16=q.dtype == torch.float16,
+        num_warps=KERNEL_WARPS,
     )  # fmt: skip

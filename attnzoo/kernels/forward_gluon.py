@@ -42,8 +42,9 @@ dense and not persistent), the (D, Dv) pairs the scope lists (64/64, 128/128, 19
 two (192 = 128 + 64: Gluon tiles have power-of-two shapes) comes as two column parts of Q and K, and ``S = Q K^T`` as
 two chained products; Dv is a power of two (DeepSeek's 192/128).  ``tests/test_gpu_score_modifiers.py`` checks the
 kernel with such pairs on the GPU; the scope lists a pair once that test has passed for it.  D = Dv = 256 (the
-warp-specialised 128x64 tile, or one warpgroup's 64x64) is checked by ``tests/test_gpu.py`` on dense calls with a
-window at most, and the scope keeps it to those (``GluonScope.plain_head_dims``).
+warp-specialised 128x64 tile, or one warpgroup's 64x64) is checked by ``tests/test_gpu.py`` on dense calls with
+each score modifier, and the scope keeps it to dense calls (``GluonScope.dense_only_head_dims``: the packed build
+spills 1068 B in ptxas).
 Causal masks, windows (the loop starts at the window's first tile: blocks outside the band are never loaded), the
 soft cap, ALiBi, any Nq and Nk, and grouped-query heads are handled.  Packed batches (``attention_varlen``) run with
 VARLEN, one Q block per program (not persistent): a sequence's TMA boxes reach into the next sequence's rows, so the

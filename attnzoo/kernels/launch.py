@@ -229,12 +229,6 @@ class ScoreModifiers:
     alibi: bool
     key: str  # what the tuning key adds ("" without modifiers: dense keys keep their stored winners)
 
-    @property
-    def score_terms(self) -> bool:
-        """A soft cap or ALiBi: a term in every score (a window only masks; a value head dim of its own, which the
-        key also names, is neither)."""
-        return self.softcap or self.alibi
-
     @classmethod
     def of(
         cls, problem: Problem, device: torch.device, block_d: int, block_dv: int, bound: int | None = None
@@ -607,9 +601,8 @@ class GluonScope:
     varlen: bool = False  # packed batches (``attention_varlen``)
     # FP8 inputs (``attention_fp8``): the (D, Dv) pairs the kernel takes them with (none: it takes no FP8).
     fp8_head_dims: tuple[tuple[int, int], ...] = ()
-    # Pairs of ``head_dims`` checked on the GPU with dense calls whose only score modifier is a window: a call with
-    # a soft cap, ALiBi or a packed batch runs the Triton kernel there.
-    plain_head_dims: tuple[tuple[int, int], ...] = ()
+    # Pairs of ``head_dims`` the kernel takes on dense calls only: a packed batch runs the Triton kernel there.
+    dense_only_head_dims: tuple[tuple[int, int], ...] = ()
 
     def modifier_reasons(self, modifiers: ScoreModifiers) -> list[str]:
         """The score modifiers of a call that the kernel does not apply."""
@@ -629,11 +622,10 @@ class GluonScope:
         pairs = ", ".join(f"D={d} Dv={dv}" for d, dv in self.head_dims)
         return [f"head dims D={head_dim} Dv={head_dim_v}: {pairs} only"]
 
-    def plain_head_dim_reasons(self, head_dim: int, head_dim_v: int, modified: bool) -> list[str]:
-        """Why a call with a soft cap, ALiBi or a packed batch (``modified``) does not run the kernel at these head
-        dims ([] when it does)."""
-        if modified and (head_dim, head_dim_v) in self.plain_head_dims:
-            return [f"D={head_dim} Dv={head_dim_v}: checked on dense calls with a window at most"]
+    def dense_only_reasons(self, head_dim: int, head_dim_v: int, varlen: bool) -> list[str]:
+        """Why a packed batch (``varlen``) does not run the kernel at these head dims ([] when it does)."""
+        if varlen and (head_dim, head_dim_v) in self.dense_only_head_dims:
+            return [f"D={head_dim} Dv={head_dim_v}: dense calls only (packed batches run the Triton kernel)"]
         return []
 
     def not_supported_reasons(self, call: PreparedCall, extra: tuple[torch.Tensor, ...] = ()) -> list[str]:
@@ -659,7 +651,7 @@ class GluonScope:
             if q.dtype not in HOPPER_DTYPES:
                 reasons.append(f"dtype {q.dtype}: float16 and bfloat16 only")
             reasons.extend(self.head_dim_reasons(*head_dims))
-        reasons.extend(self.plain_head_dim_reasons(*head_dims, call.varlen or call.modifiers.score_terms))
+        reasons.extend(self.dense_only_reasons(*head_dims, call.varlen))
         if call.has_seqlens:
             reasons.append("seqlens_k: the K/V rows past seqlens_k[b] may hold anything, and TMA cannot zero them")
         if call.varlen and not self.varlen:
@@ -680,8 +672,9 @@ class GluonScope:
 _GLUON_SCOPES = {
     # The Gluon forward's modifiers and its two-part head dim (192 = 128 + 64, DeepSeek's MLA with Dv = 128) are
     # checked against the oracle by tests/test_gpu_score_modifiers.py::test_gluon_forward_applies_each_modifier_it_
-    # implements and ::test_gluon_forward_takes_a_head_dim_in_two_parts; D = 256 (with windows) by
-    # tests/test_gpu.py::test_gluon_forward_at_head_dim_256.
+    # implements and ::test_gluon_forward_takes_a_head_dim_in_two_parts; D = 256 (with each modifier) by
+    # tests/test_gpu.py::test_gluon_forward_at_head_dim_256, on dense calls: its packed build spills (1068 B in
+    # ptxas, Triton 3.9).
     KernelVariant.FORWARD: GluonScope(
         "forward_gluon.py",
         needs_positive_scale=True,
@@ -692,12 +685,12 @@ _GLUON_SCOPES = {
         varlen=True,
         # tests/test_fp8.py::test_gluon_fp8_forward_on_the_gpu
         fp8_head_dims=((64, 64), (128, 128)),
-        plain_head_dims=((256, 256),),
+        dense_only_head_dims=((256, 256),),
     ),
     # Its windows, soft cap and ALiBi: tests/test_gpu_score_modifiers.py::test_gluon_dkdv_applies_sliding_windows
     # and ::test_gluon_dkdv_applies_alibi_and_the_soft_cap.  D = 256 and D = 192 with Dv = 128 run the head-dim-split
-    # kernel of backward_gluon_wide.py, on dense calls with a window at most (tests/test_gpu.py::test_gluon_dkdv_at_
-    # wide_head_dims).
+    # kernel of backward_gluon_wide.py, which has no packed batches (tests/test_gpu.py::test_gluon_dkdv_at_wide_head_
+    # dims, with each score modifier).
     KernelVariant.DKDV: GluonScope(
         "backward_gluon.py",
         needs_positive_scale=False,
@@ -707,7 +700,7 @@ _GLUON_SCOPES = {
         softcap=True,
         alibi=True,
         varlen=True,
-        plain_head_dims=((192, 128), (256, 256)),
+        dense_only_head_dims=((192, 128), (256, 256)),
     ),
     # Its windows, soft cap, ALiBi and packed batches: tests/test_gpu_score_modifiers.py::test_gluon_dq_applies_each_
     # modifier and tests/test_gpu_varlen.py (the gluon configs pinned).
@@ -722,13 +715,13 @@ _GLUON_SCOPES = {
         softcap=True,
         alibi=True,
         varlen=True,
-        plain_head_dims=((192, 128), (256, 256)),
+        dense_only_head_dims=((192, 128), (256, 256)),
     ),
 }
 # The same kernel with dQ added atomically (the five-product backward, in any or a fixed order): dense calls, checked
 # by tests/test_gpu.py::test_five_product_backward_matches_the_oracle and the two tests named above.
 _GLUON_SCOPES[KernelVariant.ATOMIC_PREPROCESS] = _GLUON_SCOPES[KernelVariant.ATOMIC_ORDERED] = replace(
-    _GLUON_SCOPES[KernelVariant.DKDV], head_dims=((64, 64), (128, 128)), varlen=False, plain_head_dims=()
+    _GLUON_SCOPES[KernelVariant.DKDV], head_dims=((64, 64), (128, 128)), varlen=False, dense_only_head_dims=()
 )
 
 
