@@ -383,7 +383,7 @@ def attention_backward_2kernel(
     def launch_dkdv(cfg) -> None:
         if hopper_dkdv and gluon_runs(cfg, "dkdv"):
             try:
-                if call.problem.head_dim > 128:  # (the scope: backward_gluon_wide's head dims, dense, a window at most)
+                if call.problem.head_dim > 128:  # (the scope: backward_gluon_wide's head dims, dense calls)
                     attention_dkdv_wide_hopper(
                         q, k, v, do, lse2, delta, dk, dv, call.scale, call.causal, cfg.block_m, cfg.block_n,
                         cfg.num_stages, modifiers,

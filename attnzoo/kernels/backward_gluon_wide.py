@@ -30,7 +30,8 @@ rewritten once the other warpgroup has released them ("p free", "ds free").  dS 
 dtype (as the products take it), so the bits differ from the Triton kernels'.  A producer warp
 (``gl.warp_specialize``) loads the resident tiles (K and V, or Q and dO) once and streams the others through a ring
 of NUM_STAGES slots, which both warpgroups release.  Shared memory at D = 256: 64 KB resident, two 64 KB slots,
-16 KB for the exchange, one CTA per SM (140 KB at D = 192, Dv = 128, where a third slot measured 0.96-1.02x).
+16 KB for the exchange (24 KB in the soft-capped dK/dV kernel: below), one CTA per SM (140 KB at D = 192, Dv = 128,
+where a third ring slot measured 0.96-1.02x).
 After the loop the gradients go through the shared memory of a resident tile that no product reads any more (each
 warpgroup its columns) and one TMA store per part.
 
@@ -46,9 +47,9 @@ backward ran 2.04-2.30x the Triton tiles' (``bench/results/h100_wide_bwd_window.
 The soft cap and ALiBi are terms of the scores, applied by the scores warpgroup with the D <= 128 kernels' helpers.
 The cap's derivative ``1 - tanh^2`` belongs to dS, which the other warpgroup forms: the scores warpgroup hands over
 ``P (1 - tanh^2)`` (in the dQ kernel in P's slot, which the gradients warpgroup reads only for dS; in the dK/dV kernel
-in a third slot, since that warpgroup's half of dV needs P itself).  At Gemma-2's shape (D = 256, soft cap 50, bf16,
-causal) the backward ran 2.04-2.13x the Triton tiles' and 3.2x FlexAttention's, with ALiBi 2.26-2.40x and 2.9-3.0x
-(``bench/results/h100_d256_modifiers_ab.csv``).
+in a third exchange slot, released with P's, since that warpgroup's half of dV needs P itself).  At Gemma-2's shape
+(D = 256, soft cap 50, bf16, causal) the backward ran 2.04-2.13x the Triton tiles of the untimed pick and 3.2x
+FlexAttention's, with ALiBi 2.26-2.40x and 2.9-3.0x (``bench/results/h100_d256_modifiers_ab.csv``).
 
 Scope (``KernelVariant.DKDV`` and ``KernelVariant.DQ`` ``gluon_scope``, ``dense_only_head_dims``): ``WIDE_HEAD_DIMS``,
 dense calls, causal or not, windows, the soft cap, ALiBi, GQA; packed batches run the Triton tiles.  The
@@ -474,9 +475,11 @@ if gluon is not None:
         local_keys = gl.arange(0, BLOCK_N, key_layout)
         diagonal_offset = seqlen_k - seqlen_q
         slope2 = modifiers[4]
-        if PART == 0:  # lse in base 2 (+inf on an empty row: P = 0), as _row_stats stores it
+        if PART == 0:
+            # lse in base 2 (+inf on an empty row: P = 0), as _row_stats stores it, and what P is taken from
+            # (with causal ALiBi, the rows' term added: _alibi_split)
             lse2 = load_lse2(lse_ptr + stats + rows, rows, seqlen_q, True)
-            lse2, alibi_origin, alibi_local = _alibi_split(
+            lse2_p, alibi_origin, alibi_local = _alibi_split(
                 lse2, rows, start_m, diagonal_offset, local_keys, slope2, CAUSAL, ALIBI
             )  # fmt: skip
         else:
@@ -504,7 +507,7 @@ if gluon is not None:
                 # Tiles from unmasked_tiles on are cut by the diagonal (or the window's right edge) or by Nk, and those
                 # below left_tiles by the window's left edge (q_block_tiles).
                 p, dcap = _tile_p(
-                    scores, lse2, rows, first_key + j * BLOCK_N + local_keys, diagonal_offset, seqlen_k, qk_scale,
+                    scores, lse2_p, rows, first_key + j * BLOCK_N + local_keys, diagonal_offset, seqlen_k, qk_scale,
                     modifiers,
                     alibi_key_term(alibi_local, first_key + j * BLOCK_N, alibi_origin, slope2, CAUSAL, ALIBI),
                     (j < left_tiles) | (j >= unmasked_tiles), CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI,
