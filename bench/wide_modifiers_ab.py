@@ -21,40 +21,18 @@ import statistics
 import sys
 
 import torch
-import triton
 
-import attnzoo
+from attnzoo.bench.modifiers import (
+    Flex,
+    _alibi_mod,
+    _attnzoo_times,
+    _flex_times,
+    _softcap_mod,
+    _time_ms,
+    _visible_pairs,
+)
 
 HEADS, KV_HEADS, TOKENS, CAP, WINDOW = 16, 8, 16384, 50.0, 4096
-
-
-def _pairs(n: int, window: int | None) -> int:
-    """Visible (query, key) pairs of a causal call at Nq = Nk = n, with ``window=(window, 0)`` or without."""
-    if window is None or window >= n:
-        return n * (n + 1) // 2
-    return (window + 1) * (window + 2) // 2 + (n - window - 1) * (window + 1)
-
-
-def _ms(fn) -> float:
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
-def _attnzoo(q, k, v, do, kw) -> tuple[float, float]:
-    backend = attnzoo.get("triton_2kernel")
-    o, lse = backend.forward(q, k, v, **kw)
-    backend.backward(do, q, k, v, o, lse, **kw)  # compile and pick the configs outside the timing
-    return _ms(lambda: backend.forward(q, k, v, **kw)), _ms(lambda: backend.backward(do, q, k, v, o, lse, **kw))
-
-
-def _flex(run, q, k, v, do, block_mask, score_mod) -> tuple[float, float]:
-    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    kw = dict(block_mask=block_mask, score_mod=score_mod, enable_gqa=q.shape[1] != k.shape[1])
-    with torch.no_grad():
-        run(q, k, v, **kw)
-    fwd = _ms(lambda: run(q, k, v, **kw))
-    out = run(*leaves, **kw)
-    torch.autograd.grad(out, leaves, do, retain_graph=True)
-    return fwd, _ms(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True))
 
 
 def _cudnn(q, k, v, do) -> tuple[float, float]:
@@ -64,13 +42,13 @@ def _cudnn(q, k, v, do) -> tuple[float, float]:
     leaves = [x.detach().requires_grad_() for x in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))]
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         run = lambda *x: torch.nn.functional.scaled_dot_product_attention(*x, is_causal=True)  # noqa: E731
-        fwd = _ms(lambda: run(*leaves))
+        fwd = _time_ms(lambda: run(*leaves))
         out = run(*leaves)
         torch.autograd.grad(out, leaves, do, retain_graph=True)
-        return fwd, _ms(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True))
+        return fwd, _time_ms(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True))
 
 
-def _time_shape(n: int, label: str, flex, create_block_mask) -> list[dict]:
+def _time_shape(n: int, label: str, flex: Flex | None) -> list[dict]:
     """The rows of one sequence length: each case on attnzoo (and, given ``flex``, on the peers)."""
     dtype, d = torch.bfloat16, 256
     batch = max(1, TOKENS // n)
@@ -84,29 +62,14 @@ def _time_shape(n: int, label: str, flex, create_block_mask) -> list[dict]:
         "softcap_window": (dict(causal=True, softcap=CAP, window=(WINDOW, 0)), WINDOW, "softcap"),
         "alibi": (dict(causal=True, alibi_slopes=slopes), None, "alibi"),
     }
-
-    def score_mod_of(term):
-        def softcap_mod(score, b, h, q_idx, kv_idx):
-            return CAP * torch.tanh(score / CAP)
-
-        def alibi_mod(score, b, h, q_idx, kv_idx):
-            return score - slopes[h] * (q_idx - kv_idx).abs()
-
-        return {None: None, "softcap": softcap_mod, "alibi": alibi_mod}[term]
-
-    def block_mask_of(window):
-        def mask_mod(b, h, q_idx, kv_idx):
-            visible = kv_idx <= q_idx
-            return visible if window is None else visible & (q_idx - kv_idx <= window)
-
-        return create_block_mask(mask_mod, None, None, n, n, device="cuda")
+    score_mods = {None: None, "softcap": _softcap_mod(CAP), "alibi": _alibi_mod(slopes)}
 
     rows = []
     for case, (kw, window, term) in cases.items():
-        impls = {f"attnzoo_{label}": lambda kw=kw: _attnzoo(q, k, v, do, kw)}
+        impls = {f"attnzoo_{label}": lambda kw=kw: _attnzoo_times("triton_2kernel", q, k, v, do, **kw)}
         if flex is not None:
-            impls["flex_attention"] = lambda window=window, term=term: _flex(
-                flex, q, k, v, do, block_mask_of(window), score_mod_of(term)
+            impls["flex_attention"] = lambda window=window, term=term: _flex_times(
+                flex, q, k, v, do, Flex.block_mask(n, window, q.device), score_mods[term]
             )  # fmt: skip
             if case == "plain":
                 impls["sdpa_cudnn"] = lambda: _cudnn(q, k, v, do)
@@ -117,7 +80,7 @@ def _time_shape(n: int, label: str, flex, create_block_mask) -> list[dict]:
             except Exception as error:  # the row records what happened
                 fwd = bwd = float("nan")
                 status = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
-            flops = 2 * batch * HEADS * _pairs(n, window) * 2 * d
+            flops = 2 * batch * HEADS * _visible_pairs(n, window) * 2 * d
             rows.append(dict(
                 impl=impl, case=case, dtype="bf16", B=batch, H=HEADS, Hkv=KV_HEADS, N=n, D=d, fwd_ms=fwd,
                 bwd_ms=bwd, fwd_tflops=flops / fwd / 1e9, bwd_tflops=2.5 * flops / bwd / 1e9, status=status,
@@ -205,16 +168,10 @@ def main() -> None:
         return
     if not args.label:
         parser.error("--label is required when timing")
-    flex = create_block_mask = None
-    if args.peers:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        torch._dynamo.config.cache_size_limit = 256
-        torch._functorch.config.donated_buffer = False  # the timed backward re-runs one retained graph
-        flex = torch.compile(flex_attention, dynamic=False)
+    flex = Flex() if args.peers else None
     rows = []
     for n in (int(x) for x in args.N.split(",")):
-        rows += _time_shape(n, args.label, flex, create_block_mask)
+        rows += _time_shape(n, args.label, flex)
         torch.cuda.empty_cache()
     from attnzoo.kernels import tuning
 

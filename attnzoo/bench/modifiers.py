@@ -83,10 +83,11 @@ def _attnzoo_times(name: str, q, k, v, do, **kw) -> tuple[float, float]:
 
 def _flex_times(flex: Flex, q, k, v, do, block_mask=None, score_mod=None) -> tuple[float, float]:
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    kw = dict(block_mask=block_mask, score_mod=score_mod, enable_gqa=q.shape[1] != k.shape[1])
     with torch.no_grad():
-        flex.run(q, k, v, block_mask=block_mask, score_mod=score_mod)
-    fwd = _time_ms(lambda: flex.run(q, k, v, block_mask=block_mask, score_mod=score_mod))
-    out = flex.run(*leaves, block_mask=block_mask, score_mod=score_mod)
+        flex.run(q, k, v, **kw)
+    fwd = _time_ms(lambda: flex.run(q, k, v, **kw))
+    out = flex.run(*leaves, **kw)
     torch.autograd.grad(out, leaves, do, retain_graph=True)
     bwd = _time_ms(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True))
     return fwd, bwd
