@@ -87,9 +87,11 @@ def _gluon_reasons(x: VarlenInputs, variant: KernelVariant, causal: bool, window
 # What is poisoned with NaN in sequence 1, and the head dim and mask: the Gluon kernels zero the rows of a TMA box
 # past a sequence's end (V in the forward; Q and dO in dK/dV) with a layout that depends on the head dim.
 POISONS = {
-    "kv-d64-full": (("k", "v"), 64, False),
-    "qdokv-d64-full": (("q", "do", "k", "v"), 64, False),
-    "qdokv-d128-causal": (("q", "do", "k", "v"), 128, True),
+    "kv-d64-full": (("k", "v"), (64, 64), False),
+    "qdokv-d64-full": (("q", "do", "k", "v"), (64, 64), False),
+    "qdokv-d128-causal": (("q", "do", "k", "v"), (128, 128), True),
+    # the head-dim-split backward kernels (backward_gluon_wide.py): zeroed rows in three tiles of a ring slot
+    "wide-qdokv-d192-dv128-causal": (("q", "do", "k", "v"), (192, 128), True),
 }
 
 
@@ -101,9 +103,11 @@ def test_rows_never_see_another_sequence(name, configs, poison):
     where P = 0, and 0 * NaN would be NaN (V for the forward; Q and dO for dK/dV)."""
     if configs is not None and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels need an sm_90 GPU")
-    fields, head_dim, causal = POISONS[poison]
+    fields, (head_dim, head_dim_v), causal = POISONS[poison]
     backend = attnzoo.get(name) if configs is None else attnzoo.get(name, configs=configs)
-    x = random_varlen_inputs((190, 300, 77), (230, 300, 64), 4, 2, head_dim, dtype=F16, device="cuda", seed=5)
+    x = random_varlen_inputs(
+        (190, 300, 77), (230, 300, 64), 4, 2, head_dim, dtype=F16, device="cuda", seed=5, head_dim_v=head_dim_v
+    )  # fmt: skip
     for kernel in configs or ():
         variant = VARIANTS[kernel]
         assert not _gluon_reasons(x, variant, causal), _gluon_reasons(x, variant, causal)
@@ -159,7 +163,7 @@ def test_gluon_forward_on_packed_batches(forward, dtype, case):
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
 
-# Every case in the Gluon dK/dV kernel's scope (D = 64 or 128, sliding windows, the soft cap and ALiBi): key blocks
+# Every case in the Gluon dK/dV kernel's scope (sliding windows, the soft cap and ALiBi): key blocks
 # cut by a sequence's end at 1, 63-65 and 127-129 keys, Q tiles cut likewise, empty sequences, Nq != Nk, GQA, a
 # heads-major layout, a causal window, ALiBi slopes per (sequence, head), all three modifiers together.
 GLUON_DKDV_CASES = {
@@ -178,6 +182,16 @@ GLUON_DKDV_CASES = {
         (200, 65, 1), (190, 64, 129), 4, 2, 64, 64, True, None, 0.0, "batch-heads", F16, "contiguous", None, 9
     ),
     "window-softcap-alibi-d64": GLUON_CASES["window-softcap-alibi"],
+    # The head-dim-split kernels above D = 128 (backward_gluon_wide.py; their one tile, 64 x 64): D = 256 causal with
+    # the cuts above, and D = 192 with Dv = 128 and all three modifiers in a heads-major layout.
+    "wide-causal-d256": VarlenCase(
+        (65, 0, 1, 129, 300), (65, 7, 1, 127, 350), 4, 2, 256, 256, True, None, 0.0, "none", F16, "contiguous", None,
+        11,
+    ),
+    "wide-window-softcap-alibi-d192": VarlenCase(
+        (128, 63, 200), (128, 64, 190), 4, 1, 192, 128, False, (50, 9), 10.0, "batch-heads", F16, "heads-major",
+        None, 12,
+    ),
 }  # fmt: skip
 
 

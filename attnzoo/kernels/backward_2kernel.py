@@ -383,10 +383,10 @@ def attention_backward_2kernel(
     def launch_dkdv(cfg) -> None:
         if hopper_dkdv and gluon_runs(cfg, "dkdv"):
             try:
-                if call.problem.head_dim > 128:  # (the scope: backward_gluon_wide's head dims, dense calls)
+                if call.problem.head_dim > 128:  # (the scope: backward_gluon_wide's head dims)
                     attention_dkdv_wide_hopper(
                         q, k, v, do, lse2, delta, dk, dv, call.scale, call.causal, cfg.block_m, cfg.block_n,
-                        cfg.num_stages, modifiers,
+                        cfg.num_stages, modifiers, varlen=call.varlen_args if call.varlen else None,
                     )  # fmt: skip
                     return
                 attention_dkdv_hopper(
@@ -416,7 +416,7 @@ def attention_backward_2kernel(
                 if call.problem.head_dim > 128:  # (as in launch_dkdv)
                     attention_dq_wide_hopper(
                         q, k, v, o, do, lse, lse2, delta, dq, call.scale, call.causal, cfg.block_m, cfg.block_n,
-                        cfg.num_stages, modifiers,
+                        cfg.num_stages, modifiers, varlen=call.varlen_args if call.varlen else None,
                     )  # fmt: skip
                     return
                 attention_dq_hopper(

@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .common import LOG2E, load_lse2, q_loop_bounds
+from .common import LOG2E, kv_block_opening, load_lse2, q_loop_bounds
 from .forward_gluon import KERNEL_WARPS
 from .gluon_hopper import (
     accumulator_layout,
@@ -73,12 +73,14 @@ from .gluon_hopper import (
     gluon,
     mbarrier,
     ring_wait,
+    store_rows_below,
     tile_descriptor,
     tma,
     tma_load,
     tma_store,
     warpgroup_mma,
     warpgroup_mma_wait,
+    zero_rows_from,
 )
 from .tuning import WIDE_GLUON_TILE
 
@@ -177,15 +179,16 @@ if gluon is not None:
 
         ``smem = (k_smem, k2_smem, v_smem, q_ring, q2_ring, do_ring, pt_smem, ds_smem, scaled_pt_smem)``; ``bars =
         (q_do_bars, q_do_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored)``; ``scalars = (lo,
-        unmasked_lo, unmasked_hi, n_iters, tiles_per_head, start_n, diagonal_offset, batch, first_head, sm_scale,
-        qk_scale)``: Q tiles below ``unmasked_lo`` or from ``unmasked_hi`` on take the mask (``q_loop_bounds``);
-        ``modifiers = (window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h)`` as
-        the D <= 128 kernel takes them (the soft cap and ALiBi apply in the scores warpgroup, which with SOFTCAP
-        also hands over ``P^T (1 - tanh^2)`` for the other's dS^T); ``stats = (lse2_ptr, delta_ptr)``."""
+        unmasked_lo, unmasked_hi, n_iters, tiles_per_head, start_n, diagonal_offset, slopes_row, first_head,
+        sm_scale, qk_scale)``: rows and keys count within the sequence (a packed batch's); Q tiles below
+        ``unmasked_lo`` or from ``unmasked_hi`` on take the mask (``q_loop_bounds``); ``modifiers = (window_left,
+        window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h)`` as the D <= 128 kernel takes
+        them (the soft cap and ALiBi apply in the scores warpgroup, which with SOFTCAP also hands over ``P^T (1 -
+        tanh^2)`` for the other's dS^T); ``stats = (lse2_ptr, delta_ptr)``."""
         k_smem, k2_smem, v_smem, q_ring, q2_ring, do_ring, pt_smem, ds_smem, scaled_pt_smem = smem
         q_do_bars, q_do_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored = bars
-        (lo, unmasked_lo, unmasked_hi, n_iters, tiles_per_head, start_n, diagonal_offset, batch, first_head, sm_scale,
-         qk_scale) = scalars  # fmt: skip
+        (lo, unmasked_lo, unmasked_hi, n_iters, tiles_per_head, start_n, diagonal_offset, slopes_row, first_head,
+         sm_scale, qk_scale) = scalars  # fmt: skip
         window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h = modifiers
         lse2_ptr, delta_ptr = stats
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
@@ -228,7 +231,7 @@ if gluon is not None:
                 scores = warpgroup_mma_wait(0, deps=(scores,))
                 s2, lse2, tanh = _modified_scores_t(
                     scores, lse2, qk_scale, keys, rows, start_n, diagonal_offset, cap_in, cap_out,
-                    (alibi_ptr, batch, first_head + g, stride_alibi_b, stride_alibi_h), CAUSAL, SOFTCAP, ALIBI,
+                    (alibi_ptr, slopes_row, first_head + g, stride_alibi_b, stride_alibi_h), CAUSAL, SOFTCAP, ALIBI,
                 )  # fmt: skip
                 p_t = gl.exp2(s2 - lse2[None, :])
                 if CAUSAL or WINDOW_LEFT or WINDOW_RIGHT:
@@ -289,38 +292,76 @@ if gluon is not None:
         mbarrier.arrive(halves_stored)
 
     @gluon.jit
+    def _zero_tail_rows(tiles, first_zero):
+        """Zero the rows ``first_zero ..`` of the three ``[1, 1, ROWS, width]`` tiles of a ring slot (the producer
+        warp's ``zero_rows_from``): a packed sequence's last tile, whose later rows are the next sequence's.  P is 0
+        there, but ``0 * NaN`` is not."""
+        first, second, values = tiles
+        zero_rows_from(first.reshape([first.type.shape[2], first.type.shape[3]]), first_zero, 1)
+        zero_rows_from(second.reshape([second.type.shape[2], second.type.shape[3]]), first_zero, 1)
+        zero_rows_from(values.reshape([values.type.shape[2], values.type.shape[3]]), first_zero, 1)
+
+    @gluon.jit
     def _dkdv_wide_load_tiles(
-        q_descs, kv_descs, smem, kv_bar, q_do_bars, q_do_empty, batch, kv_head, start_n, first_head, lo,
-        tiles_per_head, n_iters, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+        q_descs, kv_descs, smem, kv_bar, q_do_bars, q_do_empty, q_tail, batch, kv_head, key_row, first_head,
+        q_origin, lo, tiles_per_head, n_iters, seq_q, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+        VARLEN: gl.constexpr,
     ):  # fmt: skip
-        """The producer warp: K (both parts) and V of the block, then Q (both parts) and dO of tile ``i`` into slot
-        ``i % NUM_STAGES`` once both warpgroups have released the slot's previous tiles."""
-        _load_three(kv_descs, kv_bar, (smem[0], smem[1], smem[2]), batch, kv_head, start_n)
+        """The producer warp: K (both parts) and V of the block (TMA row ``key_row``), then Q (both parts) and dO of
+        tile ``i`` (rows from ``q_origin``) into slot ``i % NUM_STAGES`` once both warpgroups have released the
+        slot's previous tiles.  VARLEN: a tile that reaches past the sequence's last row (the last tile of each query
+        head) lands on ``q_tail``; this warp zeroes its rows past the sequence, then completes the slot's barrier."""
+        _load_three(kv_descs, kv_bar, (smem[0], smem[1], smem[2]), batch, kv_head, key_row)
         for i in range(n_iters):
             slot = i % NUM_STAGES
             # An mbarrier starts as if its phase "-1" had completed, so the waits of the first round pass at once.
             mbarrier.wait(q_do_empty.index(slot), ((i // NUM_STAGES) & 1) ^ 1)
             g, start_m = _tile_of(i, lo, tiles_per_head, BLOCK_M, False)
             tiles = (smem[3].index(slot), smem[4].index(slot), smem[5].index(slot))
-            _load_three(q_descs, q_do_bars.index(slot), tiles, batch, first_head + g, start_m)
+            if VARLEN and start_m + BLOCK_M > seq_q:
+                tail = q_tail.index(0)
+                _load_three(q_descs, tail, tiles, batch, first_head + g, q_origin + start_m)
+                mbarrier.wait(tail, g & 1)  # the g-th use of q_tail: one per query head, its last tile
+                _zero_tail_rows(tiles, seq_q - start_m)
+                mbarrier.arrive(q_do_bars.index(slot))
+            else:
+                _load_three(q_descs, q_do_bars.index(slot), tiles, batch, first_head + g, q_origin + start_m)
 
     @gluon.jit
     def _dkdv_wide_scores(
-        smem, bars, kv_bar, scalars, modifiers, stats, stats_at, out_descs, batch, kv_head,
+        smem, bars, kv_bar, scalars, modifiers, stats, stats_at, outputs, batch, kv_head, k_origin, seq_k,
         BLOCK_M: gl.constexpr, KEYS: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
         BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
         SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        VARLEN: gl.constexpr,
     ):  # fmt: skip
-        """The default partition: the scores warpgroup's loop, then the TMA stores of dK's parts and dV
-        (``out_descs``) once both warpgroups have written their columns."""
+        """The default partition: the scores warpgroup's loop, then, once both warpgroups have written their columns,
+        the stores of dK's parts and dV: TMA stores (``outputs = (dk_desc, dk2_desc, dv_desc, dk_ptr, dv_ptr,
+        stride_dk_row, stride_dv_row)``), or, for a block that the end of a packed sequence cuts, masked stores of
+        its rows (a TMA box would write the next sequence's)."""
         mbarrier.wait(kv_bar, 0)
         _dkdv_half(smem, bars, scalars, modifiers, stats, stats_at, 0, BLOCK_M, KEYS, BLOCK_D, BLOCK_D2, BLOCK_DV,
                    CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, NUM_STAGES, IS_FP16)  # fmt: skip
         mbarrier.wait(bars[7], 0)  # halves_stored: both warpgroups' columns are in
         start_n = scalars[5]
-        tma_store(out_descs[0], [batch, kv_head, start_n, 0], smem[0])
-        tma_store(out_descs[1], [batch, kv_head, start_n, 0], smem[1])
-        tma_store(out_descs[2], [batch, kv_head, start_n, 0], smem[2])
+        dk_desc, dk2_desc, dv_desc, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row = outputs
+        if VARLEN:  # (compile-time, as the forward's O store: no masked stores in dense builds)
+            if start_n + KEYS > seq_k:
+                row = (k_origin + start_n).to(gl.int64)
+                kept = seq_k - start_n
+                dk_row = dk_ptr + row * stride_dk_row + kv_head * (BLOCK_D + BLOCK_D2)
+                store_rows_below(smem[0].reshape([KEYS, BLOCK_D]), dk_row, stride_dk_row, kept, 4)
+                store_rows_below(smem[1].reshape([KEYS, BLOCK_D2]), dk_row + BLOCK_D, stride_dk_row, kept, 4)
+                dv_row = dv_ptr + row * stride_dv_row + kv_head * BLOCK_DV
+                store_rows_below(smem[2].reshape([KEYS, BLOCK_DV]), dv_row, stride_dv_row, kept, 4)
+            else:
+                tma_store(dk_desc, [batch, kv_head, k_origin + start_n, 0], smem[0])
+                tma_store(dk2_desc, [batch, kv_head, k_origin + start_n, 0], smem[1])
+                tma_store(dv_desc, [batch, kv_head, k_origin + start_n, 0], smem[2])
+        else:
+            tma_store(dk_desc, [batch, kv_head, start_n, 0], smem[0])
+            tma_store(dk2_desc, [batch, kv_head, start_n, 0], smem[1])
+            tma_store(dv_desc, [batch, kv_head, start_n, 0], smem[2])
         tma.store_wait(0)
 
     @gluon.jit
@@ -337,7 +378,7 @@ if gluon is not None:
 
     @gluon.jit(do_not_specialize=[
         "num_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "num_n_blocks", "window_left",
-        "window_right", "stride_alibi_b", "stride_alibi_h",
+        "window_right", "stride_alibi_b", "stride_alibi_h", "num_sequences", "search_steps",
     ])  # fmt: skip
     def attention_dkdv_wide_kernel(
         q_desc,
@@ -366,6 +407,14 @@ if gluon is not None:
         alibi_ptr,
         stride_alibi_b,
         stride_alibi_h,
+        dk_ptr,
+        dv_ptr,
+        stride_dk_row,
+        stride_dv_row,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        num_sequences,
+        search_steps,
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
         BLOCK_D: gl.constexpr,
@@ -378,6 +427,7 @@ if gluon is not None:
         ALIBI: gl.constexpr,
         NUM_STAGES: gl.constexpr,
         IS_FP16: gl.constexpr,
+        VARLEN: gl.constexpr,
     ):
         """dK, dV of one block of BLOCK_N = 64 keys of one (batch, kv head), summed over the ``group_size`` query
         heads that read the kv head; grid: 1-d, ``num_n_blocks * B * Hkv`` programs, launched with 4 warps (the
@@ -387,19 +437,41 @@ if gluon is not None:
         WINDOW_RIGHT: the sliding window's bounds ``window_left`` / ``window_right`` (``ScoreModifiers``).  SOFTCAP:
         scores become ``c tanh(s / c)`` (``cap_in``, ``cap_out`` as ``ScoreModifiers`` gives them; the hardware's
         ``tanh.approx.f32``).  ALIBI: ``-slope |i' - j|`` with the slopes float32 ``[B, H]`` at ``alibi_ptr`` (strides
-        given), split as the D <= 128 kernel splits it under a causal mask."""
+        given), split as the D <= 128 kernel splits it under a causal mask.
+
+        VARLEN (a packed batch): the descriptors are over ``[1, H, total, D]`` views of the packed tensors, the grid
+        has ``num_n_blocks = total_k // BLOCK_N + B`` slots per K/V head (``common.kv_block_opening``; idle slots
+        return at once), lse2 and Delta are ``[H, total_q]``, and ``dk_ptr``/``dv_ptr`` with their row strides
+        address the packed dK and dV for the rows a TMA store may not write."""
         gl.static_assert(BLOCK_N == 64 and BLOCK_M == 64, "64 keys a block (one warpgroup's M), 64-row Q tiles")
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
         pid = gl.program_id(0)
-        bh_kv = pid // num_n_blocks
-        batch = bh_kv // num_kv_heads
-        kv_head = bh_kv % num_kv_heads
-        start_n = (pid % num_n_blocks) * BLOCK_N
+        if VARLEN:
+            # Rows and keys count within the sequence; a TMA box of it starts at [0, head, origin + row, 0].
+            # (cu_seqlens_q stands in for seqlens_k, which the scope excludes.)
+            sequence, kv_head, start_n, q_origin, k_origin, seq_q, seq_k, _ = kv_block_opening(
+                pid, num_n_blocks, num_kv_heads, cu_seqlens_q, seqlen_q, seqlen_k,
+                (cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps), BLOCK_N, False, True,
+            )  # fmt: skip
+            if start_n >= seq_k:  # an idle slot of the packed grid
+                return
+            batch = 0
+            slopes_row = sequence  # ALiBi's slopes are [B, H]: a packed sequence's row
+        else:
+            bh_kv = pid // num_n_blocks
+            batch = bh_kv // num_kv_heads
+            kv_head = bh_kv % num_kv_heads
+            start_n = (pid % num_n_blocks) * BLOCK_N
+            q_origin = 0
+            k_origin = 0
+            seq_q = seqlen_q
+            seq_k = seqlen_k
+            slopes_row = batch
         first_head = kv_head * group_size
         # The same Q-tile ranges as the D <= 128 kernel (backward_gluon): [lo, unmasked_lo) and [unmasked_hi, hi) take
         # the mask; rows outside [lo, hi) see none of the block's keys and are never loaded.
         lo, unmasked_lo, unmasked_hi, hi = q_loop_bounds(
-            start_n, seqlen_q, seqlen_k, start_n + BLOCK_N, window_left, window_right, CAUSAL, WINDOW_LEFT,
+            start_n, seq_q, seq_k, start_n + BLOCK_N, window_left, window_right, CAUSAL, WINDOW_LEFT,
             WINDOW_RIGHT, BLOCK_M, BLOCK_N,
         )  # fmt: skip
         tiles_per_head = (hi - lo) // BLOCK_M
@@ -412,31 +484,41 @@ if gluon is not None:
             kv_descs, q_descs, NUM_STAGES, DTYPE, SOFTCAP
         )  # fmt: skip
         p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored = exchange
+        if VARLEN:  # the sequences' last Q tiles, which the producer warp zeroes past the end before handing over
+            q_tail = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(q_tail.index(0), count=1)
+            fence_async_shared()
+        else:
+            q_tail = q_do_bars  # not used
         bars = (q_do_bars, q_do_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored)
-        scalars = (lo, unmasked_lo, unmasked_hi, n_iters, tiles_per_head, start_n, seqlen_k - seqlen_q, batch,
+        scalars = (lo, unmasked_lo, unmasked_hi, n_iters, tiles_per_head, start_n, seq_k - seq_q, slopes_row,
                    first_head, sm_scale, qk_scale)  # fmt: skip
         modifiers = (window_left, window_right, cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h)
         stats = (lse2_ptr, delta_ptr)
-        stats_at = (n_iters, lo, tiles_per_head, batch * num_heads + first_head, seqlen_q, 0, seqlen_q)
-        out_descs = (dk_desc, dk2_desc, dv_desc)
+        # Statistics: dense [B, H, Nq], or packed [H, total_q] (seqlen_q is total_q) from the sequence's first row.
+        stats_at = (n_iters, lo, tiles_per_head, batch * num_heads + first_head, seqlen_q, q_origin, seq_q)
+        outputs = (dk_desc, dk2_desc, dv_desc, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row)
         # Constexpr arguments go to the partitions as literals (forward_gluon's note).  The gradients warpgroup and
         # (by what is left) the scores warpgroup get 240 registers, the producer warp 24.
         gl.warp_specialize(
             [
-                (_dkdv_wide_scores, (smem, bars, kv_bar, scalars, modifiers, stats, stats_at, out_descs, batch,
-                                     kv_head, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, WINDOW_LEFT,
-                                     WINDOW_RIGHT, SOFTCAP, ALIBI, NUM_STAGES, IS_FP16)),
+                (_dkdv_wide_scores, (smem, bars, kv_bar, scalars, modifiers, stats, stats_at, outputs, batch,
+                                     kv_head, k_origin, seq_k, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL,
+                                     WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, NUM_STAGES, IS_FP16, VARLEN)),
                 (_dkdv_wide_gradients, (smem, bars, kv_bar, scalars, modifiers, stats, stats_at, BLOCK_M, BLOCK_N,
                                         BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
                                         ALIBI, NUM_STAGES, IS_FP16)),
-                (_dkdv_wide_load_tiles, (q_descs, kv_descs, smem, kv_bar, q_do_bars, q_do_empty, batch, kv_head,
-                                         start_n, first_head, lo, tiles_per_head, n_iters, BLOCK_M, NUM_STAGES)),
+                (_dkdv_wide_load_tiles, (q_descs, kv_descs, smem, kv_bar, q_do_bars, q_do_empty, q_tail, batch,
+                                         kv_head, k_origin + start_n, first_head, q_origin, lo, tiles_per_head,
+                                         n_iters, seq_q, BLOCK_M, NUM_STAGES, VARLEN)),
             ],
             [4, 1],
             [240, 24],
         )  # fmt: skip
 
         _invalidate_wide(kv_bar, q_do_bars, q_do_empty, exchange_bars, NUM_STAGES)
+        if VARLEN:
+            mbarrier.invalidate(q_tail.index(0))
 
     @gluon.jit
     def _dq_half(
@@ -454,14 +536,17 @@ if gluon is not None:
 
         ``smem = (q_smem, q2_smem, do_smem, k_ring, k2_ring, v_ring, p_smem, ds_smem, _)``; ``bars = (q_bar,
         kv_ready, kv_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored)``; ``scalars = (start_m,
-        seqlen_q, seqlen_k, first_key, left_tiles, unmasked_tiles, n_tiles, sm_scale, qk_scale)``: the K/V tiles
-        below ``left_tiles`` (the window's left edge) or from ``unmasked_tiles`` on take the mask
+        seqlen_q, seqlen_k, first_key, left_tiles, unmasked_tiles, n_tiles, sm_scale, qk_scale, row_origin)``: rows
+        and keys count within the sequence (a packed batch's, whose first row is row ``row_origin`` of o and do);
+        the K/V tiles below ``left_tiles`` (the window's left edge) or from ``unmasked_tiles`` on take the mask
         (``q_block_tiles``); ``modifiers = (window_left, window_right, cap_in, cap_out, slope2)`` as ``_tile_p``
         takes them (the soft cap and ALiBi apply in PART 0, which with SOFTCAP hands over ``P (1 - tanh^2)``, all
         that PART 1 reads of P); ``pointers`` as ``_row_stats`` takes them, and lse."""
         q_smem, q2_smem, do_smem, k_ring, k2_ring, v_ring, p_smem, ds_smem, _ = smem
         q_bar, kv_ready, kv_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored = bars
-        start_m, seqlen_q, seqlen_k, first_key, left_tiles, unmasked_tiles, n_tiles, sm_scale, qk_scale = scalars
+        start_m, seqlen_q, seqlen_k, first_key, left_tiles, unmasked_tiles, n_tiles, sm_scale, qk_scale, row_origin = (
+            scalars
+        )  # fmt: skip
         o_rows, stride_o_row, do_rows, stride_do_row, lse_ptr, lse2_ptr, delta_ptr, stats = pointers
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
         ROWS: gl.constexpr = q_smem.type.shape[2]
@@ -484,8 +569,8 @@ if gluon is not None:
             )  # fmt: skip
         else:
             delta, _ = _row_stats(
-                o_rows, stride_o_row, do_rows, stride_do_row, lse_ptr, lse2_ptr, delta_ptr, stats, start_m, start_m,
-                seqlen_q, ROWS, BLOCK_DV, 4,
+                o_rows, stride_o_row, do_rows, stride_do_row, lse_ptr, lse2_ptr, delta_ptr, stats,
+                row_origin + start_m, start_m, seqlen_q, ROWS, BLOCK_DV, 4,
             )  # fmt: skip
             delta = gl.convert_layout(delta, row_layout)
         mbarrier.wait(q_bar, 0)
@@ -557,32 +642,58 @@ if gluon is not None:
 
     @gluon.jit
     def _dq_wide_load_tiles(
-        q_descs, kv_descs, smem, q_bar, kv_ready, kv_empty, batch, head, kv_head, start_m, first_key, n_tiles,
-        NUM_STAGES: gl.constexpr,
+        q_descs, kv_descs, smem, q_bar, kv_ready, kv_empty, kv_tail, batch, head, kv_head, q_row, first_key, n_tiles,
+        key_end, NUM_STAGES: gl.constexpr, VARLEN: gl.constexpr,
     ):  # fmt: skip
-        """The dQ kernel's producer warp: Q (both parts) and dO of the block, then K (both parts) and V of tile
-        ``j`` into slot ``j % NUM_STAGES`` once both warpgroups have released the slot's previous tiles."""
+        """The dQ kernel's producer warp: Q (both parts) and dO of the block (TMA row ``q_row``), then K (both parts)
+        and V of tile ``j`` (keys from TMA row ``first_key``) into slot ``j % NUM_STAGES`` once both warpgroups have
+        released the slot's previous tiles.  VARLEN: a tile that reaches past the sequence's last key (``key_end``,
+        at most the last tile) lands on ``kv_tail``; this warp zeroes its rows past the sequence, then completes the
+        slot's barrier."""
         BLOCK_N: gl.constexpr = kv_descs[0].block_type.shape[2]
-        _load_three(q_descs, q_bar, (smem[0], smem[1], smem[2]), batch, head, start_m)
+        _load_three(q_descs, q_bar, (smem[0], smem[1], smem[2]), batch, head, q_row)
         for j in range(n_tiles):
             slot = j % NUM_STAGES
             mbarrier.wait(kv_empty.index(slot), ((j // NUM_STAGES) & 1) ^ 1)
             tiles = (smem[3].index(slot), smem[4].index(slot), smem[5].index(slot))
-            _load_three(kv_descs, kv_ready.index(slot), tiles, batch, kv_head, first_key + j * BLOCK_N)
+            key = first_key + j * BLOCK_N
+            if VARLEN and key + BLOCK_N > key_end:
+                tail = kv_tail.index(0)
+                _load_three(kv_descs, tail, tiles, batch, kv_head, key)
+                mbarrier.wait(tail, 0)
+                _zero_tail_rows(tiles, key_end - key)
+                mbarrier.arrive(kv_ready.index(slot))
+            else:
+                _load_three(kv_descs, kv_ready.index(slot), tiles, batch, kv_head, key)
 
     @gluon.jit
     def _dq_wide_scores(
-        smem, bars, scalars, modifiers, pointers, dq_descs, batch, head, BLOCK_N: gl.constexpr,
+        smem, bars, scalars, modifiers, pointers, outputs, batch, head, BLOCK_N: gl.constexpr,
         BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr,
         WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr, VARLEN: gl.constexpr,
     ):  # fmt: skip
-        """The dQ kernel's default partition: the scores warpgroup's loop, then the TMA stores of dQ's parts."""
+        """The dQ kernel's default partition: the scores warpgroup's loop, then the stores of dQ's parts: TMA stores
+        (``outputs = (dq_desc, dq2_desc, dq_ptr, stride_dq_row)``), or, for a block that the end of a packed
+        sequence cuts, masked stores of its rows."""
         _dq_half(smem, bars, scalars, modifiers, pointers, 0, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL,
                  WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, NUM_STAGES, IS_FP16)  # fmt: skip
         mbarrier.wait(bars[8], 0)  # halves_stored
-        tma_store(dq_descs[0], [batch, head, scalars[0], 0], smem[0])
-        tma_store(dq_descs[1], [batch, head, scalars[0], 0], smem[1])
+        ROWS: gl.constexpr = smem[0].type.shape[2]
+        start_m, seqlen_q, row_origin = scalars[0], scalars[1], scalars[9]
+        dq_desc, dq2_desc, dq_ptr, stride_dq_row = outputs
+        if VARLEN:  # (compile-time, as the dK/dV kernel's stores)
+            if start_m + ROWS > seqlen_q:
+                dq_row = dq_ptr + (row_origin + start_m).to(gl.int64) * stride_dq_row + head * (BLOCK_D + BLOCK_D2)
+                kept = seqlen_q - start_m
+                store_rows_below(smem[0].reshape([ROWS, BLOCK_D]), dq_row, stride_dq_row, kept, 4)
+                store_rows_below(smem[1].reshape([ROWS, BLOCK_D2]), dq_row + BLOCK_D, stride_dq_row, kept, 4)
+            else:
+                tma_store(dq_desc, [batch, head, row_origin + start_m, 0], smem[0])
+                tma_store(dq2_desc, [batch, head, row_origin + start_m, 0], smem[1])
+        else:
+            tma_store(dq_desc, [batch, head, start_m, 0], smem[0])
+            tma_store(dq2_desc, [batch, head, start_m, 0], smem[1])
         tma.store_wait(0)
 
     @gluon.jit
@@ -597,33 +708,48 @@ if gluon is not None:
 
     @gluon.jit(do_not_specialize=[
         "num_heads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks", "window_left", "window_right",
-        "stride_alibi_b", "stride_alibi_h",
+        "stride_alibi_b", "stride_alibi_h", "total_q", "num_sequences", "search_steps",
     ])  # fmt: skip
     def attention_dq_wide_kernel(
         q_desc, q2_desc, k_desc, k2_desc, v_desc, do_desc, dq_desc, dq2_desc, lse_ptr, lse2_ptr, delta_ptr,
         o_ptr, stride_ob, stride_oh, stride_om, do_ptr, stride_dob, stride_doh, stride_dom,
         num_heads, group_size, seqlen_q, seqlen_k, num_m_blocks, sm_scale, qk_scale, window_left, window_right,
         cap_in, cap_out, alibi_ptr, stride_alibi_b, stride_alibi_h,
+        dq_ptr, stride_dq_row, total_q, cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
         BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
         SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
+        VARLEN: gl.constexpr,
     ):  # fmt: skip
         """dQ (and Delta, lse2) of one block of BLOCK_M = 64 rows of one (batch, head); grid: 1-d, ``num_m_blocks *
         B * H`` programs in ``q_block_tiles``' order, launched with 4 warps (the scores warpgroup) and given the
         gradients warpgroup and the producer warp by ``gl.warp_specialize``.  q, k and dq arrive in two column parts
         (BLOCK_D = 128 and BLOCK_D2 columns), v and do in one of BLOCK_DV; o and do are also read through their
         pointers and strides (Delta), lse (read), lse2 and Delta (written) are ``[B, H, Nq]`` float32 contiguous.
-        WINDOW_LEFT / WINDOW_RIGHT, SOFTCAP, ALIBI: the score modifiers, as in the dK/dV kernel."""
+        WINDOW_LEFT / WINDOW_RIGHT, SOFTCAP, ALIBI: the score modifiers, as in the dK/dV kernel.
+        VARLEN (a packed batch): as the D <= 128 dQ kernel (``backward_gluon_dq``) takes it: ``[1, H, total, D]``
+        views, ``total_q // BLOCK_M + B`` slots per head, ``[H, total_q]`` statistics, and ``dq_ptr`` /
+        ``stride_dq_row`` for the rows a TMA store may not write."""
         gl.static_assert(BLOCK_N == 64 and BLOCK_M == 64, "64-row Q blocks (one warpgroup's M), 64-key tiles")
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
         problem = (num_m_blocks, num_heads, group_size, seqlen_q, seqlen_k, window_left, window_right, alibi_ptr,
-                   stride_alibi_b, stride_alibi_h, (lse_ptr, lse_ptr, 0, 0), (seqlen_q, o_ptr, 0))  # fmt: skip
-        (bh, batch, head, kv_head, start_m, first_key, left_tiles, unmasked_tiles, n_tiles, slope2, _, _, _) = (
-            q_block_tiles(gl.program_id(0), problem, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, ALIBI, False)
-        )  # fmt: skip
-        stats = bh.to(gl.int64) * seqlen_q
-        o_rows = o_ptr + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
-        do_rows = do_ptr + batch.to(gl.int64) * stride_dob + head.to(gl.int64) * stride_doh
+                   stride_alibi_b, stride_alibi_h, (cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps),
+                   (total_q, dq_ptr, stride_dq_row))  # fmt: skip
+        (bh, batch, head, kv_head, start_m, first_key, left_tiles, unmasked_tiles, n_tiles, slope2, seq_q, seq_k,
+         packed) = q_block_tiles(gl.program_id(0), problem, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, ALIBI,
+                                 VARLEN)  # fmt: skip
+        if VARLEN:  # noqa: SIM102 - a compile-time branch around a runtime one
+            if start_m >= seq_q:  # an idle slot of the packed grid
+                return
+        coord_batch, row_origin, key_origin = packed[0], packed[1], packed[2]
+        if VARLEN:
+            stats = head.to(gl.int64) * total_q + row_origin
+            o_rows = o_ptr + head.to(gl.int64) * stride_oh
+            do_rows = do_ptr + head.to(gl.int64) * stride_doh
+        else:
+            stats = bh.to(gl.int64) * seqlen_q
+            o_rows = o_ptr + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
+            do_rows = do_ptr + batch.to(gl.int64) * stride_dob + head.to(gl.int64) * stride_doh
 
         q_descs = (q_desc, q2_desc, do_desc)
         kv_descs = (k_desc, k2_desc, v_desc)
@@ -631,26 +757,36 @@ if gluon is not None:
             q_descs, kv_descs, NUM_STAGES, DTYPE, False
         )  # fmt: skip
         p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored = exchange
+        if VARLEN:  # the sequence's last K/V tile, which the producer warp zeroes past the end before handing over
+            kv_tail = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(kv_tail.index(0), count=1)
+            fence_async_shared()
+        else:
+            kv_tail = kv_ready  # not used
         bars = (q_bar, kv_ready, kv_empty, p_ready, p_free, ds_ready, ds_free, loop_done, halves_stored)
-        scalars = (start_m, seqlen_q, seqlen_k, first_key, left_tiles, unmasked_tiles, n_tiles, sm_scale, qk_scale)
+        scalars = (start_m, seq_q, seq_k, first_key, left_tiles, unmasked_tiles, n_tiles, sm_scale, qk_scale,
+                   row_origin)  # fmt: skip
         modifiers = (window_left, window_right, cap_in, cap_out, slope2)
         pointers = (o_rows, stride_om, do_rows, stride_dom, lse_ptr, lse2_ptr, delta_ptr, stats)
-        dq_descs = (dq_desc, dq2_desc)
+        outputs = (dq_desc, dq2_desc, dq_ptr, stride_dq_row)
         gl.warp_specialize(
             [
-                (_dq_wide_scores, (smem, bars, scalars, modifiers, pointers, dq_descs, batch, head, BLOCK_N, BLOCK_D,
-                                   BLOCK_D2, BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, NUM_STAGES,
-                                   IS_FP16)),
+                (_dq_wide_scores, (smem, bars, scalars, modifiers, pointers, outputs, coord_batch, head, BLOCK_N,
+                                   BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI,
+                                   NUM_STAGES, IS_FP16, VARLEN)),
                 (_dq_wide_gradients, (smem, bars, scalars, modifiers, pointers, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV,
                                       CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, NUM_STAGES, IS_FP16)),
-                (_dq_wide_load_tiles, (q_descs, kv_descs, smem, q_bar, kv_ready, kv_empty, batch, head, kv_head,
-                                       start_m, first_key, n_tiles, NUM_STAGES)),
+                (_dq_wide_load_tiles, (q_descs, kv_descs, smem, q_bar, kv_ready, kv_empty, kv_tail, coord_batch, head,
+                                       kv_head, row_origin + start_m, key_origin + first_key, n_tiles,
+                                       key_origin + seq_k, NUM_STAGES, VARLEN)),
             ],
             [4, 1],
             [240, 24],
         )  # fmt: skip
 
         _invalidate_wide(q_bar, kv_ready, kv_empty, exchange_bars, NUM_STAGES)
+        if VARLEN:
+            mbarrier.invalidate(kv_tail.index(0))
 
 
 # The (D, Dv) pairs the kernels are built for: q and k in two column parts, 128 + (D - 128); v, do in one tile.
@@ -700,6 +836,20 @@ def _modifier_flags(modifiers: ScoreModifiers | None) -> dict[str, bool]:
     )  # fmt: skip
 
 
+def _packed_views(
+    tensors: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, ...], varlen: tuple | None, stand_in: torch.Tensor
+) -> tuple:
+    """``(*tensors, sequences)``: for a packed batch (``varlen``) each ``[total, heads, *]`` tensor seen as ``[1,
+    heads, total, *]`` (a head's rows of the whole packed tensor, one TMA box per tile), once the ``outputs`` are
+    checked contiguous (the masked stores step rows by ``heads * width``), and ``varlen`` as the kernels' sequence
+    arguments; for a dense call the tensors as they are and ``stand_in`` in the sequences' place (not read)."""
+    if varlen is None:
+        return (*tensors, (stand_in, stand_in, 0, 0))
+    if not all(x.is_contiguous() for x in outputs):
+        raise ValueError("the gradients of a packed batch must be contiguous [total, heads, head_dim] tensors")
+    return (*(x.unsqueeze(0).transpose(1, 2) for x in tensors), varlen)
+
+
 def _part_descriptors(x: torch.Tensor, rows: int) -> tuple:
     """Descriptors of ``x``'s two column parts (views with x's strides, the second one's base 128 columns on)."""
     first = wide_head_dim_parts(x.shape[-1])[0]
@@ -721,26 +871,35 @@ def attention_dkdv_wide_hopper(
     block_n: int = 64,
     num_stages: int = 2,
     modifiers: ScoreModifiers | None = None,
+    varlen: tuple | None = None,
 ) -> None:
     """Write ``dk`` ``[B, Hkv, Nk, D]`` and ``dv`` ``[B, Hkv, Nk, Dv]`` (contiguous, dtype of q; summed over each
     head group).
 
     ``q`` ``[B, H, Nq, D]``, ``do`` ``[B, H, Nq, Dv]``, ``k`` ``[B, Hkv, Nk, D]``, ``v`` ``[B, Hkv, Nk, Dv]`` with
-    (D, Dv) in ``WIDE_HEAD_DIMS``, in the scope that ``KernelVariant.DKDV.gluon_scope`` checks (dense; any score
-    modifiers, ``modifiers``); ``lse2`` and ``delta`` ``[B, H, Nq]`` float32 contiguous, as the dQ
-    kernel writes them."""
+    (D, Dv) in ``WIDE_HEAD_DIMS``, in the scope that ``KernelVariant.DKDV.gluon_scope`` checks (any score
+    modifiers, ``modifiers``); ``lse2`` and ``delta`` ``[B, H, Nq]`` float32 contiguous, as the dQ kernel writes
+    them.
+
+    ``varlen = (cu_seqlens_q, cu_seqlens_k, B, search_steps)``: a packed batch (``launch.PreparedCall.varlen_args``),
+    q, do ``[total_q, H, *]``, k, v, dk, dv ``[total_k, Hkv, *]`` (dk, dv contiguous), lse2 and delta
+    ``[H, total_q]``."""
+    dk_rows, dv_rows = dk, dv  # packed: the [total_k, Hkv, *] tensors that the masked stores address
+    q, k, v, do, dk, dv, sequences = _packed_views((q, k, v, do, dk, dv), (dk, dv), varlen, lse2)
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     _check_wide_call(q, v, block_m, block_n, num_stages, "dK/dV")
-    num_n_blocks = -(-Nk // block_n)
+    # Packed: slots per K/V head (common.kv_block_opening), at most one idle slot per sequence.
+    num_n_blocks = -(-Nk // block_n) if varlen is None else Nk // block_n + varlen[2]
     first, second = wide_head_dim_parts(D)
     attention_dkdv_wide_kernel[(num_n_blocks * B * Hkv,)](
         *_part_descriptors(q, block_m), *_part_descriptors(k, block_n), tile_descriptor(v, block_n),
         tile_descriptor(do, block_m), *_part_descriptors(dk, block_n), tile_descriptor(dv, block_n), lse2, delta,
         H, Hkv, H // Hkv, Nq, Nk, num_n_blocks, scale, scale * LOG2E, *_modifier_args(modifiers, q),
+        dk_rows, dv_rows, dk_rows.stride(0), dv_rows.stride(0), *sequences,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=first, BLOCK_D2=second, BLOCK_DV=Dv, CAUSAL=causal,
         **_modifier_flags(modifiers), NUM_STAGES=num_stages, IS_FP16=q.dtype == torch.float16,
-        num_warps=KERNEL_WARPS,
+        VARLEN=varlen is not None, num_warps=KERNEL_WARPS,
     )  # fmt: skip
 
 
@@ -760,26 +919,34 @@ def attention_dq_wide_hopper(
     block_n: int = 64,
     num_stages: int = 2,
     modifiers: ScoreModifiers | None = None,
+    varlen: tuple | None = None,
 ) -> None:
     """Write ``dq`` ``[B, H, Nq, D]`` (contiguous, dtype of q), and ``lse2`` (lse * log2(e), +inf on empty rows) and
     ``delta`` (rowsum(dO * O)) ``[B, H, Nq]`` float32 contiguous for the dK/dV kernel.
 
     ``q`` ``[B, H, Nq, D]``, ``o``, ``do`` ``[B, H, Nq, Dv]``, ``k`` ``[B, Hkv, Nk, D]``, ``v`` ``[B, Hkv, Nk, Dv]``
     with (D, Dv) in ``WIDE_HEAD_DIMS``, ``lse`` ``[B, H, Nq]`` (natural log, contiguous) in the scope that
-    ``KernelVariant.DQ.gluon_scope`` checks (dense; any score modifiers, ``modifiers``)."""
+    ``KernelVariant.DQ.gluon_scope`` checks (any score modifiers, ``modifiers``).
+
+    ``varlen``: a packed batch as ``attention_dkdv_wide_hopper`` takes it: q, o, do, dq ``[total_q, H, *]`` (dq
+    contiguous), k, v ``[total_k, Hkv, *]``, lse, lse2 and delta ``[H, total_q]``."""
+    dq_rows = dq  # packed: the [total_q, H, D] tensor that the masked stores address
+    q, k, v, o, do, dq, sequences = _packed_views((q, k, v, o, do, dq), (dq,), varlen, lse)
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     _check_wide_call(q, v, block_m, block_n, num_stages, "dQ")
     if o.stride(-1) != 1 or do.stride(-1) != 1:
         raise ValueError("o and do must have contiguous rows (last stride 1)")
-    num_m_blocks = -(-Nq // block_m)
+    # Packed: slots per head (common.varlen_block), at most one idle slot per sequence.
+    num_m_blocks = -(-Nq // block_m) if varlen is None else Nq // block_m + varlen[2]
     first, second = wide_head_dim_parts(D)
     attention_dq_wide_kernel[(num_m_blocks * B * H,)](
         *_part_descriptors(q, block_m), *_part_descriptors(k, block_n), tile_descriptor(v, block_n),
         tile_descriptor(do, block_m), *_part_descriptors(dq, block_m), lse, lse2, delta,
         o, *o.stride()[:3], do, *do.stride()[:3],
         H, H // Hkv, Nq, Nk, num_m_blocks, scale, scale * LOG2E, *_modifier_args(modifiers, q),
+        dq_rows, dq_rows.stride(0), Nq, *sequences,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=first, BLOCK_D2=second, BLOCK_DV=Dv, CAUSAL=causal,
         **_modifier_flags(modifiers), NUM_STAGES=num_stages, IS_FP16=q.dtype == torch.float16,
-        num_warps=KERNEL_WARPS,
+        VARLEN=varlen is not None, num_warps=KERNEL_WARPS,
     )  # fmt: skip

@@ -689,8 +689,8 @@ _GLUON_SCOPES = {
     ),
     # Its windows, soft cap and ALiBi: tests/test_gpu_score_modifiers.py::test_gluon_dkdv_applies_sliding_windows
     # and ::test_gluon_dkdv_applies_alibi_and_the_soft_cap.  D = 256 and D = 192 with Dv = 128 run the head-dim-split
-    # kernel of backward_gluon_wide.py, which has no packed batches (tests/test_gpu.py::test_gluon_dkdv_at_wide_head_
-    # dims, with each score modifier).
+    # kernel of backward_gluon_wide.py (tests/test_gpu.py::test_gluon_dkdv_at_wide_head_dims, with each score
+    # modifier; packed batches: tests/test_gpu_varlen.py's "wide" cases).
     KernelVariant.DKDV: GluonScope(
         "backward_gluon.py",
         needs_positive_scale=False,
@@ -700,7 +700,6 @@ _GLUON_SCOPES = {
         softcap=True,
         alibi=True,
         varlen=True,
-        dense_only_head_dims=((192, 128), (256, 256)),
     ),
     # Its windows, soft cap, ALiBi and packed batches: tests/test_gpu_score_modifiers.py::test_gluon_dq_applies_each_
     # modifier and tests/test_gpu_varlen.py (the gluon configs pinned).
@@ -715,13 +714,12 @@ _GLUON_SCOPES = {
         softcap=True,
         alibi=True,
         varlen=True,
-        dense_only_head_dims=((192, 128), (256, 256)),
     ),
 }
 # The same kernel with dQ added atomically (the five-product backward, in any or a fixed order): dense calls, checked
 # by tests/test_gpu.py::test_five_product_backward_matches_the_oracle and the two tests named above.
 _GLUON_SCOPES[KernelVariant.ATOMIC_PREPROCESS] = _GLUON_SCOPES[KernelVariant.ATOMIC_ORDERED] = replace(
-    _GLUON_SCOPES[KernelVariant.DKDV], head_dims=((64, 64), (128, 128)), varlen=False, dense_only_head_dims=()
+    _GLUON_SCOPES[KernelVariant.DKDV], head_dims=((64, 64), (128, 128)), varlen=False
 )
 
 
