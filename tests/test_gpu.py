@@ -185,6 +185,9 @@ MODIFIED_256_CASES = [
     ((torch.bfloat16, 1, 4, 2, 500, 500, True), (None, 0.0, "heads")),
     ((torch.float16, 2, 4, 2, 257, 190, False), (None, 0.0, "batch-heads")),
     ((torch.bfloat16, 1, 4, 4, 700, 700, True), ((200, 0), 3.0, "batch-heads")),
+    # causal with Nq != Nk (the rows' positions offset from the keys' in ALiBi's split), both ways
+    ((torch.bfloat16, 1, 4, 2, 300, 500, True), (None, 0.0, "heads")),
+    ((torch.float16, 1, 2, 2, 500, 300, True), ((100, 0), 2.0, "batch-heads")),
 ]
 NO_MODIFIERS = (None, 0.0, "none")
 
