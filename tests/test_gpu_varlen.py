@@ -139,6 +139,11 @@ GLUON_CASES = {
     "d192-dv128": VarlenCase(
         (130, 70), (130, 200), 2, 2, 192, 128, True, None, 0.0, "none", F16, "contiguous", None, 5
     ),
+    # D = 256 on the warp-specialised 128x64 tile, whose producer warp zeroes the V rows past a sequence's end
+    "wide-d256-softcap": VarlenCase(
+        (65, 0, 1, 129, 300), (65, 7, 1, 127, 350), 4, 2, 256, 256, True, None, 30.0, "none", F16, "contiguous",
+        None, 13,
+    ),
 }  # fmt: skip
 
 

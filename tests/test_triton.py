@@ -284,13 +284,6 @@ def test_the_gluon_scopes_take_the_head_dims_their_kernels_were_checked_with(var
         assert scope.head_dim_reasons(*dims) == [], dims
     for dims in {(64, 32), (256, 256), (192, 192), (192, 128)} - set(in_scope):
         assert any(f"D={dims[0]} Dv={dims[1]}" in r for r in scope.head_dim_reasons(*dims))
-    # The forward at D = 256 takes every score modifier on dense calls, but no packed batch (its packed build spills:
-    # those run the Triton kernel); the wide backward kernels take both.
-    dense_only = [(256, 256)] if variant is KernelVariant.FORWARD else []
-    for dims in in_scope:
-        assert scope.dense_only_reasons(*dims, varlen=False) == []
-        named = any(f"D={dims[0]} Dv={dims[1]}" in r for r in scope.dense_only_reasons(*dims, varlen=True))
-        assert named == (dims in dense_only), dims
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES)

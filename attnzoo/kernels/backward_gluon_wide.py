@@ -51,8 +51,15 @@ in a third exchange slot, released with P's, since that warpgroup's half of dV n
 (D = 256, soft cap 50, bf16, causal) the backward ran 2.04-2.13x the Triton tiles of the untimed pick and 3.2x
 FlexAttention's, with ALiBi 2.26-2.40x and 2.9-3.0x (``bench/results/h100_d256_modifiers_ab.csv``).
 
-Scope (``KernelVariant.DKDV`` and ``KernelVariant.DQ`` ``gluon_scope``, ``dense_only_head_dims``): ``WIDE_HEAD_DIMS``,
-dense calls, causal or not, windows, the soft cap, ALiBi, GQA; packed batches run the Triton tiles.  The
+Packed batches (VARLEN) take the D <= 128 kernels' way: programs map to (sequence, block) slots
+(``common.kv_block_opening``, ``q_block_tiles``), a sequence's last ring tile (Q and dO in the dK/dV kernel, K and
+V in the dQ kernel) lands on a tail barrier and the producer warp zeroes its rows past the end before handing the
+slot over (the next sequence's values meet P = 0 there, and ``0 * NaN`` is NaN), and a block that the sequence's
+end cuts leaves by masked stores.  The zeroing of 256-column tiles spills in the producer warp's 24 registers
+(1.6-1.8 KB in ptxas at D = 256, 16-52 B at D = 192), in that tail path only.
+
+Scope (``KernelVariant.DKDV`` and ``KernelVariant.DQ`` ``gluon_scope``): ``WIDE_HEAD_DIMS``, dense or packed
+calls, causal or not, windows, the soft cap, ALiBi, GQA.  The
 five-product backward has no block above D = 128: ``triton_atomic`` runs its Triton kernel there (and,
 deterministic, this backward).
 """

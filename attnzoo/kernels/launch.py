@@ -601,8 +601,6 @@ class GluonScope:
     varlen: bool = False  # packed batches (``attention_varlen``)
     # FP8 inputs (``attention_fp8``): the (D, Dv) pairs the kernel takes them with (none: it takes no FP8).
     fp8_head_dims: tuple[tuple[int, int], ...] = ()
-    # Pairs of ``head_dims`` the kernel takes on dense calls only: a packed batch runs the Triton kernel there.
-    dense_only_head_dims: tuple[tuple[int, int], ...] = ()
 
     def modifier_reasons(self, modifiers: ScoreModifiers) -> list[str]:
         """The score modifiers of a call that the kernel does not apply."""
@@ -621,12 +619,6 @@ class GluonScope:
             return []
         pairs = ", ".join(f"D={d} Dv={dv}" for d, dv in self.head_dims)
         return [f"head dims D={head_dim} Dv={head_dim_v}: {pairs} only"]
-
-    def dense_only_reasons(self, head_dim: int, head_dim_v: int, varlen: bool) -> list[str]:
-        """Why a packed batch (``varlen``) does not run the kernel at these head dims ([] when it does)."""
-        if varlen and (head_dim, head_dim_v) in self.dense_only_head_dims:
-            return [f"D={head_dim} Dv={head_dim_v}: dense calls only (packed batches run the Triton kernel)"]
-        return []
 
     def not_supported_reasons(self, call: PreparedCall, extra: tuple[torch.Tensor, ...] = ()) -> list[str]:
         q = call.q
@@ -651,7 +643,6 @@ class GluonScope:
             if q.dtype not in HOPPER_DTYPES:
                 reasons.append(f"dtype {q.dtype}: float16 and bfloat16 only")
             reasons.extend(self.head_dim_reasons(*head_dims))
-        reasons.extend(self.dense_only_reasons(*head_dims, call.varlen))
         if call.has_seqlens:
             reasons.append("seqlens_k: the K/V rows past seqlens_k[b] may hold anything, and TMA cannot zero them")
         if call.varlen and not self.varlen:
@@ -673,8 +664,7 @@ _GLUON_SCOPES = {
     # The Gluon forward's modifiers and its two-part head dim (192 = 128 + 64, DeepSeek's MLA with Dv = 128) are
     # checked against the oracle by tests/test_gpu_score_modifiers.py::test_gluon_forward_applies_each_modifier_it_
     # implements and ::test_gluon_forward_takes_a_head_dim_in_two_parts; D = 256 (with each modifier) by
-    # tests/test_gpu.py::test_gluon_forward_at_head_dim_256, on dense calls: its packed build spills (1068 B in
-    # ptxas, Triton 3.9).
+    # tests/test_gpu.py::test_gluon_forward_at_head_dim_256, packed by tests/test_gpu_varlen.py's "wide" case.
     KernelVariant.FORWARD: GluonScope(
         "forward_gluon.py",
         needs_positive_scale=True,
@@ -685,7 +675,6 @@ _GLUON_SCOPES = {
         varlen=True,
         # tests/test_fp8.py::test_gluon_fp8_forward_on_the_gpu
         fp8_head_dims=((64, 64), (128, 128)),
-        dense_only_head_dims=((256, 256),),
     ),
     # Its windows, soft cap and ALiBi: tests/test_gpu_score_modifiers.py::test_gluon_dkdv_applies_sliding_windows
     # and ::test_gluon_dkdv_applies_alibi_and_the_soft_cap.  D = 256 and D = 192 with Dv = 128 run the head-dim-split
