@@ -84,14 +84,17 @@ def _gluon_reasons(x: VarlenInputs, variant: KernelVariant, causal: bool, window
     return call.gluon_reasons(variant, *extra)  # the dQ kernel's o: a stand-in of its shape
 
 
-# What is poisoned with NaN in sequence 1, and the head dim and mask: the Gluon kernels zero the rows of a TMA box
-# past a sequence's end (V in the forward; Q and dO in dK/dV) with a layout that depends on the head dim.
+# What is poisoned with NaN in sequence 1, the head dims (D, Dv) and the mask: the Gluon kernels zero the rows of a
+# TMA box past a sequence's end (V in the forward; Q and dO in dK/dV; K and V in dQ) with a layout that depends on the
+# tile's width.
 POISONS = {
     "kv-d64-full": (("k", "v"), (64, 64), False),
     "qdokv-d64-full": (("q", "do", "k", "v"), (64, 64), False),
     "qdokv-d128-causal": (("q", "do", "k", "v"), (128, 128), True),
-    # the head-dim-split backward kernels (backward_gluon_wide.py): zeroed rows in three tiles of a ring slot
+    # the head-dim-split backward kernels (backward_gluon_wide.py): zeroed rows in the three tiles of a ring slot, of
+    # 128 and 64 columns, and of 256 (as the D = 256 forward's V tile)
     "wide-qdokv-d192-dv128-causal": (("q", "do", "k", "v"), (192, 128), True),
+    "wide-qdokv-d256-causal": (("q", "do", "k", "v"), (256, 256), True),
 }
 
 
@@ -104,6 +107,10 @@ def test_rows_never_see_another_sequence(name, configs, poison):
     if configs is not None and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels need an sm_90 GPU")
     fields, (head_dim, head_dim_v), causal = POISONS[poison]
+    dims = (head_dim, head_dim_v)
+    for kernel, cfg in (configs or {}).items():
+        if cfg not in candidates(kernel, head_dim_tile(head_dim), F16, torch.device("cuda"), gluon_head_dims=dims):
+            pytest.skip(f"{cfg} is not a candidate at D={head_dim} Dv={head_dim_v} (the tuner drops it)")
     backend = attnzoo.get(name) if configs is None else attnzoo.get(name, configs=configs)
     x = random_varlen_inputs(
         (190, 300, 77), (230, 300, 64), 4, 2, head_dim, dtype=F16, device="cuda", seed=5, head_dim_v=head_dim_v
@@ -139,7 +146,7 @@ GLUON_CASES = {
     "d192-dv128": VarlenCase(
         (130, 70), (130, 200), 2, 2, 192, 128, True, None, 0.0, "none", F16, "contiguous", None, 5
     ),
-    # D = 256 on the warp-specialised 128x64 tile, whose producer warp zeroes the V rows past a sequence's end
+    # D = 256 (on the warp-specialised 128x64 tile the producer warp zeroes the V rows past a sequence's end)
     "wide-d256-softcap": VarlenCase(
         (65, 0, 1, 129, 300), (65, 7, 1, 127, 350), 4, 2, 256, 256, True, None, 30.0, "none", F16, "contiguous",
         None, 13,
@@ -188,13 +195,14 @@ GLUON_DKDV_CASES = {
     ),
     "window-softcap-alibi-d64": GLUON_CASES["window-softcap-alibi"],
     # The head-dim-split kernels above D = 128 (backward_gluon_wide.py; their one tile, 64 x 64): D = 256 causal with
-    # the cuts above, and D = 192 with Dv = 128 and all three modifiers in a heads-major layout.
+    # the cuts above, and D = 192 with Dv = 128, GQA (dK's and dV's head offsets differ) and all three modifiers in a
+    # heads-major layout.
     "wide-causal-d256": VarlenCase(
         (65, 0, 1, 129, 300), (65, 7, 1, 127, 350), 4, 2, 256, 256, True, None, 0.0, "none", F16, "contiguous", None,
         11,
     ),
     "wide-window-softcap-alibi-d192": VarlenCase(
-        (128, 63, 200), (128, 64, 190), 4, 1, 192, 128, False, (50, 9), 10.0, "batch-heads", F16, "heads-major",
+        (128, 63, 200), (128, 64, 190), 4, 2, 192, 128, False, (50, 9), 10.0, "batch-heads", F16, "heads-major",
         None, 12,
     ),
 }  # fmt: skip

@@ -216,7 +216,8 @@ def test_the_wide_backward_kernels_split_the_head_dim_between_warpgroups(kernel,
     launch (the D = 192 dQ kernel's code uses fewer): full and causal builds, with and without a window's left
     edge, and with the soft cap and ALiBi, compile, their products unserialised (``_ptx_report``), without spills
     but for a few words of the D = 256 dQ kernel (112-128 B in Triton 3.9's ptxas) and of the D = 256 dK/dV kernel
-    with all three modifiers and no causal mask (28 B)."""
+    with all three modifiers and no causal mask (28 B); packed builds too, whose producer warp zeroes a sequence's
+    tail rows in its 24 registers (1.6-1.9 KB of spills with 256-column tiles, 16-52 B at D = 192)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     d, dv = dims
     builds = [
@@ -224,6 +225,7 @@ def test_the_wide_backward_kernels_split_the_head_dim_between_warpgroups(kernel,
         ((), ("--modifiers", "softcap,alibi")),
         ((), ("--modifiers", "softcap,alibi,window")),
         (("--causal",), ("--modifiers", "softcap,alibi,window")),
+        (("--causal",), ("--modifiers", "varlen")),
     ]
     for causal, modifiers in builds:
         (line,) = _ptx_report(
@@ -235,7 +237,10 @@ def test_the_wide_backward_kernels_split_the_head_dim_between_warpgroups(kernel,
         assert launch == 168 and {24, 240} <= counts and used <= 240, line
         assert used > launch or (kernel, d) == ("dq", 192), line  # (D = 192's dQ half fits the launch's count)
         spills = re.search(r"spill (\d+)/(\d+) B", line)
-        if (kernel, d) == ("dq", 256):
+        if modifiers and "varlen" in modifiers[-1]:
+            # a packed batch's tail tiles, zeroed by the producer warp in its 24 registers (256-column tiles spill)
+            limit = 2048 if d == 256 else 64
+        elif (kernel, d) == ("dq", 256):
             limit = 128
         elif (kernel, d, causal, modifiers) == ("dkdv", 256, (), ("--modifiers", "softcap,alibi,window")):
             limit = 32

@@ -33,7 +33,7 @@ of NUM_STAGES slots, which both warpgroups release.  Shared memory at D = 256: 6
 16 KB for the exchange (24 KB in the soft-capped dK/dV kernel: below), one CTA per SM (140 KB at D = 192, Dv = 128,
 where a third ring slot measured 0.96-1.02x).
 After the loop the gradients go through the shared memory of a resident tile that no product reads any more (each
-warpgroup its columns) and one TMA store per part.
+warpgroup its columns) and one TMA store per part (masked stores for a block that a packed sequence's end cuts).
 
 Measured on the H100 (``bench/results/h100_d256_wide_*.csv``, ``h100_d192_wide_bwd.csv``): at D = 256 (bf16/fp16,
 N = 2k-16k, causal or not) the backward at 314-387 TFLOP/s, 0.99-1.07x cuDNN's, the tuner taking these kernels at
@@ -56,7 +56,8 @@ Packed batches (VARLEN) take the D <= 128 kernels' way: programs map to (sequenc
 V in the dQ kernel) lands on a tail barrier and the producer warp zeroes its rows past the end before handing the
 slot over (the next sequence's values meet P = 0 there, and ``0 * NaN`` is NaN), and a block that the sequence's
 end cuts leaves by masked stores.  The zeroing of 256-column tiles spills in the producer warp's 24 registers
-(1.6-1.8 KB in ptxas at D = 256, 16-52 B at D = 192), in that tail path only.
+(1.6-1.9 KB in ptxas at D = 256, 16-52 B at D = 192: ``bench/results/ptx_wide_modifiers_triton39.log``), in that
+tail path only.
 
 Scope (``KernelVariant.DKDV`` and ``KernelVariant.DQ`` ``gluon_scope``): ``WIDE_HEAD_DIMS``, dense or packed
 calls, causal or not, windows, the soft cap, ALiBi, GQA.  The
@@ -316,8 +317,9 @@ if gluon is not None:
     ):  # fmt: skip
         """The producer warp: K (both parts) and V of the block (TMA row ``key_row``), then Q (both parts) and dO of
         tile ``i`` (rows from ``q_origin``) into slot ``i % NUM_STAGES`` once both warpgroups have released the
-        slot's previous tiles.  VARLEN: a tile that reaches past the sequence's last row (the last tile of each query
-        head) lands on ``q_tail``; this warp zeroes its rows past the sequence, then completes the slot's barrier."""
+        slot's previous tiles.  VARLEN: a tile that reaches past the sequence's last row lands on ``q_tail``; this warp
+        zeroes its rows past the sequence, then completes the slot's barrier.  Every query head of the group runs the
+        same Q tiles, so either each head's last tile is such a tile or none is: the g-th use of ``q_tail``."""
         _load_three(kv_descs, kv_bar, (smem[0], smem[1], smem[2]), batch, kv_head, key_row)
         for i in range(n_iters):
             slot = i % NUM_STAGES
