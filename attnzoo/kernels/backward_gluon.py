@@ -139,6 +139,35 @@ if gluon is not None:
         return gl.load(stat_ptr + stats, mask=(rows < seq_q) & (index < n_iters), other=other)
 
     @gluon.jit
+    def kv_block_of(
+        pid, num_n_blocks, num_kv_heads, seqlen_q, seqlen_k, sequences, BLOCK_N: gl.constexpr, VARLEN: gl.constexpr
+    ):  # fmt: skip
+        """The block of keys of a K/V-stationary program ``pid`` (the dK/dV kernels' grid) -> ``(batch, kv_head,
+        start_n, q_origin, k_origin, seq_q, seq_k, slopes_row)``.  Dense: ``num_n_blocks`` blocks per (batch, K/V
+        head), origins 0, the call's lengths.  VARLEN (``sequences = (cu_seqlens_q, cu_seqlens_k, B,
+        search_steps)``): ``common.kv_block_opening``'s slot of a packed batch; rows and keys count within the
+        sequence, whose TMA boxes start at ``[0, head, origin + row, 0]`` (``batch`` 0), ALiBi's slopes are read at
+        the sequence's row, and ``start_n >= seq_k`` marks an idle slot (the caller returns)."""
+        if VARLEN:
+            # (cu_seqlens_q stands in for seqlens_k, which the scope excludes)
+            sequence, kv_head, start_n, q_origin, k_origin, seq_q, seq_k, _ = kv_block_opening(
+                pid, num_n_blocks, num_kv_heads, sequences[0], seqlen_q, seqlen_k, sequences, BLOCK_N, False, True
+            )  # fmt: skip
+            batch = 0
+            slopes_row = sequence
+        else:
+            bh_kv = pid // num_n_blocks
+            batch = bh_kv // num_kv_heads
+            kv_head = bh_kv % num_kv_heads
+            start_n = (pid % num_n_blocks) * BLOCK_N
+            q_origin = 0
+            k_origin = 0
+            seq_q = seqlen_q
+            seq_k = seqlen_k
+            slopes_row = batch
+        return batch, kv_head, start_n, q_origin, k_origin, seq_q, seq_k, slopes_row
+
+    @gluon.jit
     def _visible_t(keys, rows, diagonal_offset, window_left, window_right,
                    CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr):  # fmt: skip
         """Whether key ``keys[n]`` is visible to row ``rows[m]``, as a ``[BLOCK_N, BLOCK_M]`` tile: the transposed
@@ -809,31 +838,14 @@ if gluon is not None:
         gl.static_assert(k_desc.block_type.shape[2] == KEYS, "k/v boxes: the keys of one part")
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
 
-        pid = gl.program_id(0)
-        if VARLEN:
-            # Rows and keys count within the sequence; a TMA box of it starts at [0, head, origin + row, 0].
-            # (cu_seqlens_q stands in for seqlens_k, which the scope excludes.)
-            sequence, kv_head, start_n, q_origin, k_origin, seq_q, seq_k, _ = kv_block_opening(
-                pid, num_n_blocks, num_kv_heads, cu_seqlens_q, seqlen_q, seqlen_k,
-                (cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps), BLOCK_N, False, True,
-            )  # fmt: skip
+        batch, kv_head, start_n, q_origin, k_origin, seq_q, seq_k, slopes_row = kv_block_of(
+            gl.program_id(0), num_n_blocks, num_kv_heads, seqlen_q, seqlen_k,
+            (cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps), BLOCK_N, VARLEN,
+        )  # fmt: skip
+        if VARLEN:  # noqa: SIM102 - a compile-time branch around a runtime one
             if start_n >= seq_k:  # an idle slot of the packed grid
                 return
-            batch = 0
-            stats_base = q_origin
-            slopes_row = sequence  # ALiBi's slopes are [B, H]: a packed sequence's row
-        else:
-            bh_kv = pid // num_n_blocks
-            n_block = pid % num_n_blocks
-            batch = bh_kv // num_kv_heads
-            kv_head = bh_kv % num_kv_heads
-            start_n = n_block * BLOCK_N
-            q_origin = 0
-            k_origin = 0
-            seq_q = seqlen_q
-            seq_k = seqlen_k
-            stats_base = 0
-            slopes_row = batch
+        stats_base = q_origin
         first_head = kv_head * group_size
 
         # Q tiles [lo, unmasked_lo) cross the causal diagonal (or the window's right edge) and [unmasked_hi, hi)

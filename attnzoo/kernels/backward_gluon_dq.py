@@ -121,6 +121,25 @@ if gluon is not None:  # (a Triton without Gluon: forward_gluon defines no kerne
         return lse2_p, alibi_origin, alibi_local
 
     @gluon.jit
+    def dq_row_pointers(
+        bh, head, packed, seqlen_q, o_ptr, stride_ob, stride_oh, do_ptr, stride_dob, stride_doh, VARLEN: gl.constexpr
+    ):  # fmt: skip
+        """A Q-stationary program's ``(stats, o_rows, do_rows)`` for ``_row_stats``: the statistics' offset of the
+        head's row 0 (dense ``[B, H, Nq]``: ``bh * Nq``; VARLEN ``[H, total_q]``: from the sequence's first row) and
+        the head's row 0 of o and do (VARLEN: of the ``[1, H, total, D]`` views, whose rows the program offsets by
+        its sequence's origin).  ``packed`` as ``q_block_tiles`` returns it."""
+        if VARLEN:
+            stats = head.to(gl.int64) * packed[3] + packed[1]  # total_q, row_origin
+            o_rows = o_ptr + head.to(gl.int64) * stride_oh
+            do_rows = do_ptr + head.to(gl.int64) * stride_doh
+        else:
+            batch = packed[0]
+            stats = bh.to(gl.int64) * seqlen_q
+            o_rows = o_ptr + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
+            do_rows = do_ptr + batch.to(gl.int64) * stride_dob + head.to(gl.int64) * stride_doh
+        return stats, o_rows, do_rows
+
+    @gluon.jit
     def _row_stats(
         o_rows, stride_o_row, do_rows, stride_do_row, lse_ptr, lse2_ptr, delta_ptr, stats, first_row, start_m,
         seqlen_q, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, NUM_WARPS: gl.constexpr,
@@ -392,14 +411,9 @@ if gluon is not None:  # (a Triton without Gluon: forward_gluon defines no kerne
             if start_m >= seqlen_q:  # an idle slot of the packed grid
                 return
         coord_batch, row_origin, key_origin = packed[0], packed[1], packed[2]
-        if VARLEN:
-            stats = head.to(gl.int64) * total_q + row_origin
-            o_rows = o_ptr + head.to(gl.int64) * stride_oh
-            do_rows = do_ptr + head.to(gl.int64) * stride_doh
-        else:
-            stats = bh.to(gl.int64) * seqlen_q
-            o_rows = o_ptr + coord_batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
-            do_rows = do_ptr + coord_batch.to(gl.int64) * stride_dob + head.to(gl.int64) * stride_doh
+        stats, o_rows, do_rows = dq_row_pointers(
+            bh, head, packed, seqlen_q, o_ptr, stride_ob, stride_oh, do_ptr, stride_dob, stride_doh, VARLEN
+        )  # fmt: skip
 
         q_smem = gl.allocate_shared_memory(DTYPE, [NUM_WARPGROUPS, 1, 1, ROWS, BLOCK_D], q_desc.layout)
         do_smem = gl.allocate_shared_memory(DTYPE, [NUM_WARPGROUPS, 1, 1, ROWS, BLOCK_D], do_desc.layout)

@@ -71,7 +71,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .common import LOG2E, kv_block_opening, load_lse2, q_loop_bounds
+from .common import LOG2E, load_lse2, q_loop_bounds
 from .forward_gluon import KERNEL_WARPS
 from .gluon_hopper import (
     accumulator_layout,
@@ -97,8 +97,8 @@ if TYPE_CHECKING:
 
 if gluon is not None:
     # The other Gluon kernels' helpers (defined only where Gluon is).
-    from .backward_gluon import _load_row_stat, _mask_cut_tile_t, _modified_scores_t, _tile_of
-    from .backward_gluon_dq import _alibi_split, _row_stats, _tile_p
+    from .backward_gluon import _load_row_stat, _mask_cut_tile_t, _modified_scores_t, _tile_of, kv_block_of
+    from .backward_gluon_dq import _alibi_split, _row_stats, _tile_p, dq_row_pointers
     from .forward_gluon import alibi_key_term, q_block_tiles
 
     @gluon.jit
@@ -454,28 +454,13 @@ if gluon is not None:
         address the packed dK and dV for the rows a TMA store may not write."""
         gl.static_assert(BLOCK_N == 64 and BLOCK_M == 64, "64 keys a block (one warpgroup's M), 64-row Q tiles")
         DTYPE: gl.constexpr = gl.float16 if IS_FP16 else gl.bfloat16
-        pid = gl.program_id(0)
-        if VARLEN:
-            # Rows and keys count within the sequence; a TMA box of it starts at [0, head, origin + row, 0].
-            # (cu_seqlens_q stands in for seqlens_k, which the scope excludes.)
-            sequence, kv_head, start_n, q_origin, k_origin, seq_q, seq_k, _ = kv_block_opening(
-                pid, num_n_blocks, num_kv_heads, cu_seqlens_q, seqlen_q, seqlen_k,
-                (cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps), BLOCK_N, False, True,
-            )  # fmt: skip
+        batch, kv_head, start_n, q_origin, k_origin, seq_q, seq_k, slopes_row = kv_block_of(
+            gl.program_id(0), num_n_blocks, num_kv_heads, seqlen_q, seqlen_k,
+            (cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps), BLOCK_N, VARLEN,
+        )  # fmt: skip
+        if VARLEN:  # noqa: SIM102 - a compile-time branch around a runtime one
             if start_n >= seq_k:  # an idle slot of the packed grid
                 return
-            batch = 0
-            slopes_row = sequence  # ALiBi's slopes are [B, H]: a packed sequence's row
-        else:
-            bh_kv = pid // num_n_blocks
-            batch = bh_kv // num_kv_heads
-            kv_head = bh_kv % num_kv_heads
-            start_n = (pid % num_n_blocks) * BLOCK_N
-            q_origin = 0
-            k_origin = 0
-            seq_q = seqlen_q
-            seq_k = seqlen_k
-            slopes_row = batch
         first_head = kv_head * group_size
         # The same Q-tile ranges as the D <= 128 kernel (backward_gluon): [lo, unmasked_lo) and [unmasked_hi, hi) take
         # the mask; rows outside [lo, hi) see none of the block's keys and are never loaded.
@@ -744,21 +729,16 @@ if gluon is not None:
         problem = (num_m_blocks, num_heads, group_size, seqlen_q, seqlen_k, window_left, window_right, alibi_ptr,
                    stride_alibi_b, stride_alibi_h, (cu_seqlens_q, cu_seqlens_k, num_sequences, search_steps),
                    (total_q, dq_ptr, stride_dq_row))  # fmt: skip
-        (bh, batch, head, kv_head, start_m, first_key, left_tiles, unmasked_tiles, n_tiles, slope2, seq_q, seq_k,
+        (bh, _, head, kv_head, start_m, first_key, left_tiles, unmasked_tiles, n_tiles, slope2, seq_q, seq_k,
          packed) = q_block_tiles(gl.program_id(0), problem, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, ALIBI,
                                  VARLEN)  # fmt: skip
         if VARLEN:  # noqa: SIM102 - a compile-time branch around a runtime one
             if start_m >= seq_q:  # an idle slot of the packed grid
                 return
         coord_batch, row_origin, key_origin = packed[0], packed[1], packed[2]
-        if VARLEN:
-            stats = head.to(gl.int64) * total_q + row_origin
-            o_rows = o_ptr + head.to(gl.int64) * stride_oh
-            do_rows = do_ptr + head.to(gl.int64) * stride_doh
-        else:
-            stats = bh.to(gl.int64) * seqlen_q
-            o_rows = o_ptr + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
-            do_rows = do_ptr + batch.to(gl.int64) * stride_dob + head.to(gl.int64) * stride_doh
+        stats, o_rows, do_rows = dq_row_pointers(
+            bh, head, packed, seqlen_q, o_ptr, stride_ob, stride_oh, do_ptr, stride_dob, stride_doh, VARLEN
+        )  # fmt: skip
 
         q_descs = (q_desc, q2_desc, do_desc)
         kv_descs = (k_desc, k2_desc, v_desc)
