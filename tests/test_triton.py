@@ -272,7 +272,8 @@ def test_the_gluon_scopes_name_the_modifiers_their_kernels_lack(variant, modifie
 def test_the_gluon_scopes_take_the_head_dims_their_kernels_were_checked_with(variant):
     """D = Dv = 64 and 128 run every Gluon kernel; D = 192 with Dv = 128 (in two column parts) and D = Dv = 256 the
     forward's and the two-kernel backward's (backward_gluon_wide.py above D = 128), not the five-product one; other
-    pairs do not, and the reason names them."""
+    pairs do not, and the reason names them.  The forward and the two-kernel backward take packed batches at each of
+    their pairs (no pair is limited to dense calls); the five-product kernel takes none."""
     scope = variant.gluon_scope
     wide = {
         KernelVariant.FORWARD: [(192, 128), (256, 256)],
@@ -284,6 +285,7 @@ def test_the_gluon_scopes_take_the_head_dims_their_kernels_were_checked_with(var
         assert scope.head_dim_reasons(*dims) == [], dims
     for dims in {(64, 32), (256, 256), (192, 192), (192, 128)} - set(in_scope):
         assert any(f"D={dims[0]} Dv={dims[1]}" in r for r in scope.head_dim_reasons(*dims))
+    assert scope.varlen == (variant in wide)
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES)

@@ -44,7 +44,7 @@ two chained products; Dv is a power of two (DeepSeek's 192/128).  ``tests/test_g
 kernel with such pairs on the GPU; the scope lists a pair once that test has passed for it.  D = Dv = 256 (the
 warp-specialised 128x64 tile, or one warpgroup's 64x64) is checked by ``tests/test_gpu.py`` on dense calls with
 each score modifier and by ``tests/test_gpu_varlen.py`` on a packed batch.  Its packed build spills 1068 B in
-ptxas (Triton 3.9): in its SASS 518 of the 529 local loads and stores follow the producer warp's ``setmaxnreg`` to
+ptxas (Triton 3.9): in its SASS all 390 local loads and stores lie after the producer warp's ``setmaxnreg`` to
 24 registers, where the zeroing of a sequence's last V tile holds an ``[8, 256]`` chunk at a time (once per Q
 block).
 Causal masks, windows (the loop starts at the window's first tile: blocks outside the band are never loaded), the

@@ -549,7 +549,7 @@ HEURISTIC_ORDER: dict[tuple[str, bool], tuple[str, ...]] = {
 # (dQ) and 2.56-3.14x (dK/dV) their time (bench/results/h100_d256_wide_{bf16,fp16}.log); at D = 192 with Dv = 128
 # they ran the backward 1.40-1.82x faster than the Triton entries below (bench/results/h100_d192_wide_bwd.csv), and
 # are the untimed pick there.  At both pairs they are the untimed pick with any score modifier too (no key of the
-# shipped table has one); elsewhere (packed batches, D = Dv = 192) the Triton entries serve.
+# shipped table has one) and on packed batches; elsewhere (D = Dv = 192) the Triton entries serve.
 WIDE_HEURISTIC_ORDER: dict[str, tuple[str, ...]] = {
     "forward": ("128x128 w8 s2 gluon", "128x64 w8 s2 gluon", "128x64 w8 s3 tma", "64x32 w4 s2"),
     "dkdv": ("64x64 w4 s2 gluon", "32x128 w8 s3", "64x32 w8 s2"),
