@@ -197,15 +197,18 @@ def test_the_warp_specialised_forward_holds_a_256_column_o_above_the_launch_regi
     """Gluon's warp specialisation raises the computing warpgroups to 248 and 232 registers and lowers the producer
     warp's to 24 (``setmaxnreg``), above the 168 a thread of the 384 gets at launch: the forward's 128 x 64 tile at
     D = 256 (a 64 x 256 float32 O per warpgroup, 128 registers a thread) uses more than 168 in its SASS, without
-    spills, full and causal."""
+    spills, full and causal; its packed build too, but for a few words (the producer warp zeroes a sequence's last
+    V tile past its end in 128-column halves within its 24 registers: 4-80 B in Triton 3.6's and 3.9's ptxas)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    for causal in ((), ("--causal",)):
-        (line,) = _ptx_report("--kernel", "forward", "--d", "256", "--config", "128,64,8,2,gluon", *causal)
+    for flags in ((), ("--causal",), ("--causal", "--modifiers", "varlen")):
+        (line,) = _ptx_report("--kernel", "forward", "--d", "256", "--config", "128,64,8,2,gluon", *flags)
         found = re.search(r"(\d+) registers \(setmaxnreg ([\d/]+); (\d+) used in the code\)", line)
         assert found, line
         launch, counts, used = int(found.group(1)), {int(n) for n in found.group(2).split("/")}, int(found.group(3))
         assert launch == 168 and {24, 232, 248} <= counts and launch < used <= 232, line
-        assert re.search(r"spill 0/0 B", line), line
+        limit = 128 if "varlen" in flags else 0
+        spills = re.search(r"spill (\d+)/(\d+) B", line)
+        assert spills and int(spills.group(1)) <= limit and int(spills.group(2)) <= limit, line
 
 
 @pytest.mark.parametrize("dims", [(256, 256), (192, 128)], ids=lambda dims: f"D{dims[0]}-Dv{dims[1]}")
@@ -217,7 +220,7 @@ def test_the_wide_backward_kernels_split_the_head_dim_between_warpgroups(kernel,
     edge, and with the soft cap and ALiBi, compile, their products unserialised (``_ptx_report``), without spills
     but for a few words of the D = 256 dQ kernel (112-128 B in Triton 3.9's ptxas) and of the D = 256 dK/dV kernel
     with all three modifiers and no causal mask (28 B); packed builds too, whose producer warp zeroes a sequence's
-    tail rows in its 24 registers (1.6-1.9 KB of spills with 256-column tiles, 16-52 B at D = 192)."""
+    tail rows in its 24 registers, 128 columns at a time (16-60 B of spills; 140-168 B in the D = 256 dQ kernel)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     d, dv = dims
     builds = [
@@ -238,8 +241,8 @@ def test_the_wide_backward_kernels_split_the_head_dim_between_warpgroups(kernel,
         assert used > launch or (kernel, d) == ("dq", 192), line  # (D = 192's dQ half fits the launch's count)
         spills = re.search(r"spill (\d+)/(\d+) B", line)
         if modifiers and "varlen" in modifiers[-1]:
-            # a packed batch's tail tiles, zeroed by the producer warp in its 24 registers (256-column tiles spill)
-            limit = 2048 if d == 256 else 64
+            # a packed batch's tail tiles, zeroed by the producer warp in its 24 registers
+            limit = 192 if (kernel, d) == ("dq", 256) else 64
         elif (kernel, d) == ("dq", 256):
             limit = 128
         elif (kernel, d, causal, modifiers) == ("dkdv", 256, (), ("--modifiers", "softcap,alibi,window")):

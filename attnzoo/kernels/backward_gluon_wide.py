@@ -55,10 +55,9 @@ Packed batches (VARLEN) take the D <= 128 kernels' way: programs map to (sequenc
 (``common.kv_block_opening``, ``q_block_tiles``), a sequence's last ring tile (Q and dO in the dK/dV kernel, K and
 V in the dQ kernel) lands on a tail barrier and the producer warp zeroes its rows past the end before handing the
 slot over (the next sequence's values meet P = 0 there, and ``0 * NaN`` is NaN), and a block that the sequence's
-end cuts leaves by masked stores.  The packed builds spill 1.6-1.9 KB in ptxas at D = 256 and 16-52 B at D = 192
-(``bench/results/ptx_wide_modifiers_triton39.log``): in the SASS of the D = 256 dK/dV build every local load and
-store is the producer warp's (24 registers, holding a chunk of a 256-column tile to zero); the D = 256 dQ build's
-gradients warpgroup also spills more than its dense build.
+end cuts leaves by masked stores.  The producer warp, at 24 registers, zeroes 128 columns at a time
+(``zero_rows_from``; a chunk of 256 columns spilled 1.6-1.8 KB at D = 256): the packed builds spill 16-60 B in
+ptxas, 140-168 B in the D = 256 dQ kernel (``bench/results/ptx_wide_modifiers_triton39.log``).
 
 Scope (``KernelVariant.DKDV`` and ``KernelVariant.DQ`` ``gluon_scope``): ``WIDE_HEAD_DIMS``, dense or packed
 calls, causal or not, windows, the soft cap, ALiBi, GQA.  The

@@ -43,10 +43,9 @@ two (192 = 128 + 64: Gluon tiles have power-of-two shapes) comes as two column p
 two chained products; Dv is a power of two (DeepSeek's 192/128).  ``tests/test_gpu_score_modifiers.py`` checks the
 kernel with such pairs on the GPU; the scope lists a pair once that test has passed for it.  D = Dv = 256 (the
 warp-specialised 128x64 tile, or one warpgroup's 64x64) is checked by ``tests/test_gpu.py`` on dense calls with
-each score modifier and by ``tests/test_gpu_varlen.py`` on a packed batch.  Its packed build spills 1068 B in
-ptxas (Triton 3.9): in its SASS all 390 local loads and stores lie after the producer warp's ``setmaxnreg`` to
-24 registers, where the zeroing of a sequence's last V tile holds an ``[8, 256]`` chunk at a time (once per Q
-block).
+each score modifier and by ``tests/test_gpu_varlen.py`` on a packed batch.  Its packed build spills 4-80 B in
+ptxas (Triton 3.6 / 3.9): the producer warp, at 24 registers, zeroes a sequence's last V tile past its end (once
+per Q block) 128 columns at a time.
 Causal masks, windows (the loop starts at the window's first tile: blocks outside the band are never loaded), the
 soft cap, ALiBi, any Nq and Nk, and grouped-query heads are handled.  Packed batches (``attention_varlen``) run with
 VARLEN, one Q block per program (not persistent): a sequence's TMA boxes reach into the next sequence's rows, so the

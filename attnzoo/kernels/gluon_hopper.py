@@ -177,14 +177,20 @@ if gluon is not None:
         product.  Rows whose scores are replaced by ``-inf`` need no such care."""
         ROWS: gl.constexpr = tile.type.shape[0]
         COLS: gl.constexpr = tile.type.shape[1]
+        # Wider tiles go as 128-column halves: a lone producer warp (24 registers after setmaxnreg) holding a chunk
+        # of 256 columns spills it (ptxas: 1.1-1.8 KB in the packed D = 256 builds), one of 128 does not.
+        PART_COLS: gl.constexpr = 128 if COLS > 128 else COLS
         CHUNK: gl.constexpr = 8 if NUM_WARPS == 1 else 16
-        LANE_COLS: gl.constexpr = 32 if COLS // 8 > 32 else COLS // 8
+        LANE_COLS: gl.constexpr = 32 if PART_COLS // 8 > 32 else PART_COLS // 8
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // LANE_COLS, LANE_COLS], [NUM_WARPS, 1], [1, 0])
         for c in gl.static_range(ROWS // CHUNK):
-            part = tile.slice(c * CHUNK, CHUNK)
-            values = part.load(layout)
-            row = c * CHUNK + gl.arange(0, CHUNK, gl.SliceLayout(1, layout))
-            part.store(gl.where(row[:, None] >= first_zero, gl.zeros_like(values), values))
+            for h in gl.static_range(COLS // PART_COLS):
+                part = tile.slice(c * CHUNK, CHUNK)
+                if COLS > PART_COLS:
+                    part = part.slice(h * PART_COLS, PART_COLS, dim=1)
+                values = part.load(layout)
+                row = c * CHUNK + gl.arange(0, CHUNK, gl.SliceLayout(1, layout))
+                part.store(gl.where(row[:, None] >= first_zero, gl.zeros_like(values), values))
         fence_async_shared()
 
     @gluon.jit
