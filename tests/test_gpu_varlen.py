@@ -17,7 +17,7 @@ from test_varlen import VarlenCase, _check, varlen_cases
 import attnzoo
 from attnzoo.kernels.gluon_hopper import gluon_unavailable_reason
 from attnzoo.kernels.launch import KernelVariant, prepare
-from attnzoo.kernels.tuning import CANDIDATES, candidates, head_dim_tile
+from attnzoo.kernels.tuning import CANDIDATES, KernelConfig, candidates, head_dim_tile
 from attnzoo.testing_varlen import VarlenInputs, random_varlen_inputs, run_varlen_backend, varlen_oracle_for
 from attnzoo.varlen import attention_varlen_backward_op, attention_varlen_forward_op, validate_varlen
 
@@ -205,7 +205,16 @@ GLUON_DKDV_CASES = {
         (128, 63, 200), (128, 64, 190), 4, 2, 192, 128, False, (50, 9), 10.0, "batch-heads", F16, "heads-major",
         None, 12,
     ),
+    # Four query heads on each K/V head (the dK/dV kernel's tail barrier turns four times a block), and a sequence
+    # with queries but no keys (the dQ kernel's one forced tile is zeroed whole; its rows get dQ = 0).
+    "wide-gqa4-no-keys-d256": VarlenCase(
+        (70, 65, 129), (100, 0, 130), 8, 2, 256, 256, False, None, 0.0, "none", F16, "contiguous", None, 14,
+    ),
+    "wide-gqa4-no-keys-d192": VarlenCase(
+        (70, 65, 129), (100, 0, 130), 8, 2, 192, 128, True, None, 0.0, "heads", F16, "contiguous", None, 15,
+    ),
 }  # fmt: skip
+WIDE_TILE = KernelConfig.parse("64x64 w4 s2 gluon")  # the head-dim-split dK/dV and dQ kernels' one tile
 
 
 @pytest.mark.parametrize("case", list(GLUON_DKDV_CASES))
@@ -220,11 +229,70 @@ def test_gluon_backward_kernels_on_packed_batches(kernel, cfg, dtype, case):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels need an sm_90 GPU")
     case = dataclasses.replace(GLUON_DKDV_CASES[case], dtype=dtype)
-    if cfg not in candidates(kernel, head_dim_tile(case.head_dim), dtype, torch.device("cuda")):
-        pytest.skip(f"{cfg} is not a candidate at D={case.head_dim} (shared memory or registers: the tuner drops it)")
+    dims = (case.head_dim, case.head_dim_v)
+    fitting = candidates(kernel, head_dim_tile(case.head_dim), dtype, torch.device("cuda"), gluon_head_dims=dims)
+    if case.head_dim > 128:  # the head-dim-split kernels' one tile must run, never be skipped
+        assert WIDE_TILE in fitting, fitting
+    if cfg not in fitting:
+        pytest.skip(f"{cfg} is not a candidate at D={dims[0]} Dv={dims[1]} (shared memory or registers: dropped)")
     reasons = _gluon_reasons(case.make(), VARIANTS[kernel], case.causal, **case.modifiers)
     assert not reasons, reasons
     _check(attnzoo.get("triton_2kernel", configs={kernel: cfg}), case)
+    assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
+
+
+@pytest.mark.parametrize("forward", ["128x64 w8 s2 gluon", "64x64 w4 s2 gluon"])
+@pytest.mark.parametrize("dims", [(256, 256), (192, 128)], ids=lambda dims: f"D{dims[0]}-Dv{dims[1]}")
+def test_the_wide_kernels_write_no_row_past_the_last_sequence(dims, forward):
+    """The Gluon forward and the head-dim-split dQ and dK/dV kernels, launched on packed tensors with 64 spare rows
+    past the last sequence (``cu_seqlens[-1] < total``): a block that a sequence's end cuts leaves by masked stores,
+    so the spare rows of o, lse, dq, lse2, Delta, dk and dv keep what they held (a TMA store would write them), and
+    the NaN in the spare rows of q, k, v and dO, which the last blocks' TMA boxes read, reaches no output (those
+    rows are zeroed before any product).  The sequences' rows match the launch layer's call on the trimmed tensors
+    (the same kernels)."""
+    from attnzoo.kernels.backward_gluon_wide import attention_dkdv_wide_hopper, attention_dq_wide_hopper
+    from attnzoo.kernels.forward_gluon import attention_forward_hopper
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels need an sm_90 GPU")
+    D, Dv = dims
+    cfg = KernelConfig.parse(forward)
+    if cfg not in candidates("forward", head_dim_tile(D), F16, torch.device("cuda"), gluon_head_dims=dims):
+        pytest.skip(f"{cfg} does not fit the shared memory at D={D} Dv={Dv}")
+    x = random_varlen_inputs((100, 70), (90, 75), 4, 2, D, dtype=F16, device="cuda", seed=21, head_dim_v=Dv)
+    causal, spare, sentinel = True, 64, 3.0
+    reference = run_varlen_backend(attnzoo.get("triton_2kernel", configs={"forward": cfg}), x, causal=causal)
+    call = prepare(x.q, x.k, x.v, validate_varlen(x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, None, None, causal))
+    assert not _gluon_reasons(x, KernelVariant.FORWARD, causal) and not _gluon_reasons(x, KernelVariant.DQ, causal)
+
+    def padded(t: torch.Tensor, fill: float) -> torch.Tensor:  # [total, ...] -> [total + spare, ...]
+        return torch.cat([t, t.new_full((spare, *t.shape[1:]), fill)])
+
+    q, k, v, do = (padded(t, float("nan")) for t in (x.q, x.k, x.v, x.do))
+    total_q, total_k, H = x.q.shape[0], x.k.shape[0], x.q.shape[1]
+    # The sequences' rows start as NaN (an unwritten one fails), the spare rows as the sentinel.
+    o = padded(torch.full_like(reference["o"], float("nan")), sentinel)
+    dq, dk, dv = (padded(torch.full_like(t, float("nan")), sentinel) for t in (x.q, x.k, x.v))
+    lse, lse2, delta = (torch.full((H, total_q + spare), sentinel, device="cuda") for _ in range(3))
+    scale = D**-0.5
+    attention_forward_hopper(
+        q, k, v, o, lse, scale, causal, call.modifiers, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+        varlen=call.varlen_args,
+    )  # fmt: skip
+    attention_dq_wide_hopper(
+        q, k, v, o, do, lse, lse2, delta, dq, scale, causal, 64, 64, 2, call.modifiers, varlen=call.varlen_args
+    )  # fmt: skip
+    attention_dkdv_wide_hopper(
+        q, k, v, do, lse2, delta, dk, dv, scale, causal, 64, 64, 2, call.modifiers, varlen=call.varlen_args
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    for name, out, rows in (("o", o, total_q), ("dq", dq, total_q), ("dk", dk, total_k), ("dv", dv, total_k)):
+        assert torch.equal(out[rows:], torch.full_like(out[rows:], sentinel)), f"{name}: a spare row was written"
+        assert torch.isfinite(out[:rows]).all(), f"{name}: NaN from the spare rows"
+        torch.testing.assert_close(out[:rows], reference[name], atol=1e-2, rtol=1e-2, msg=name)
+    for name, stats in (("lse", lse), ("lse2", lse2), ("delta", delta)):
+        assert torch.equal(stats[:, total_q:], torch.full_like(stats[:, total_q:], sentinel)), name
+    torch.testing.assert_close(lse[:, :total_q], reference["lse"], atol=1e-3, rtol=1e-3)
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
 
