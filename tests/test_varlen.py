@@ -366,3 +366,23 @@ def test_compare_refuses_bad_varlen_flags(argv):
     with pytest.raises(SystemExit) as exit_:
         compare.main(argv)
     assert exit_.value.code == 2
+
+
+def test_the_gluon_launchers_see_a_packed_tensor_as_one_batch_of_all_its_rows():
+    """``gluon_hopper.packed_views``: a packed ``[total, H, D]`` tensor is seen as ``[1, H, total, D]`` (the same
+    memory: a head's rows of the whole tensor, one TMA box per tile), a non-contiguous output of a packed call is
+    refused by name (its masked stores step rows by ``H * D``), and a dense call's tensors pass as they are;
+    ``grid_slots``: ``ceil(N / block)`` blocks a dense head, ``total // block + B`` slots a packed one."""
+    from attnzoo.kernels.gluon_hopper import grid_slots, packed_views
+
+    q, dq = torch.randn(300, 4, 64), torch.randn(300, 4, 64)
+    varlen = (torch.tensor([0, 100, 300], dtype=torch.int32), torch.tensor([0, 90, 300], dtype=torch.int32), 2, 2)
+    q_view, dq_view, sequences = packed_views((q, dq), {"dq": dq}, varlen, q)
+    assert q_view.shape == dq_view.shape == (1, 4, 300, 64) and q_view.data_ptr() == q.data_ptr()
+    assert sequences is varlen
+    assert torch.equal(q_view[0, 2, 17], q[17, 2])
+    with pytest.raises(ValueError, match="dq must be a contiguous"):
+        packed_views((q, dq), {"dq": dq.transpose(0, 1).contiguous().transpose(0, 1)}, varlen, q)
+    dense = torch.randn(2, 4, 300, 64)
+    assert packed_views((dense,), {"o": dense}, None, q)[0] is dense
+    assert grid_slots(300, 64, None) == 5 and grid_slots(300, 64, varlen) == 300 // 64 + 2

@@ -73,7 +73,9 @@ from .gluon_hopper import (
     fence_async_shared,
     gl,
     gluon,
+    grid_slots,
     mbarrier,
+    packed_views,
     ring_wait,
     split_accumulator_layout,
     store_rows_below,
@@ -1078,14 +1080,7 @@ def attention_dkdv_hopper(
     dk_rows, dv_rows = dk, dv  # packed: the [total_k, Hkv, D] tensors that the masked stores address
     if dv.shape != dk.shape:  # one row stride and one head offset serve both stores: Dv = D (the scope's head dims)
         raise ValueError(f"dv {tuple(dv.shape)} must have dk's shape {tuple(dk.shape)}")
-    if varlen is not None:
-        if not (dk.is_contiguous() and dv.is_contiguous()):  # the masked stores step rows by Hkv * D
-            raise ValueError("dk and dv must be contiguous [total_k, Hkv, D] tensors for a packed batch")
-        # [total, H, D] seen as [1, H, total, D]: a head's rows of the whole packed tensor, one TMA box per tile.
-        q, k, v, do, dk, dv = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v, do, dk, dv))
-        sequences = varlen
-    else:
-        sequences = (lse2, lse2, 0, 0)  # not read
+    q, k, v, do, dk, dv, sequences = packed_views((q, k, v, do, dk, dv), {"dk": dk, "dv": dv}, varlen, lse2)
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     if block_n != 16 * num_warps:
@@ -1095,8 +1090,7 @@ def attention_dkdv_hopper(
         raise ValueError(f"dq_acc must be a contiguous {padded} tensor (Nq rounded up to block_m) of a dense call")
     if dq_locks is not None and (dq_acc is None or tuple(dq_locks.shape) != (*padded[:2], padded[2] // block_m, 2)):
         raise ValueError(f"dq_locks must be an int32 [B, H, Nq / block_m, 2] tensor beside dq_acc {padded}")
-    # Packed: slots per kv head (common.kv_block_opening), at most one idle slot per sequence.
-    num_n_blocks = -(-Nk // block_n) if varlen is None else Nk // block_n + varlen[2]
+    num_n_blocks = grid_slots(Nk, block_n, varlen)
     q_desc = tile_descriptor(q, block_m)
     dq_desc = q_desc if dq_acc is None else tile_descriptor(dq_acc, block_m, dq_share_width(D))  # (q's: not read)
     warp_specialized = dkdv_warp_specialized(num_warps)

@@ -51,7 +51,9 @@ from .gluon_hopper import (
     fence_async_shared,
     gl,
     gluon,
+    grid_slots,
     mbarrier,
+    packed_views,
     ring_load,
     ring_load_pair,
     ring_wait,
@@ -515,20 +517,13 @@ def attention_dq_hopper(
     if num_stages < 2:  # iteration j reads K_{j-1} (its dQ product) and K_j (S): one slot would wait forever
         raise ValueError(f"num_stages={num_stages}: the dQ kernel's K/V ring needs at least 2 slots")
     dq_rows = dq  # packed: the [total_q, H, D] tensor that the masked stores address
-    if varlen is not None:
-        if not dq.is_contiguous():  # the masked stores step rows by H * D
-            raise ValueError("dq must be a contiguous [total_q, H, D] tensor for a packed batch")
-        # [total, H, D] seen as [1, H, total, D]: a head's rows of the whole packed tensor, one TMA box per tile.
-        q, k, v, o, do, dq = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v, o, do, dq))
-        sequences = varlen
-    else:
-        sequences = (lse, lse, 0, 0)  # not read
+    q, k, v, o, do, dq, sequences = packed_views((q, k, v, o, do, dq), {"dq": dq}, varlen, lse)
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     check_warpgroup_rows(block_m, num_warps)
     if o.stride(-1) != 1 or do.stride(-1) != 1:
         raise ValueError("o and do must have contiguous rows (last stride 1)")
-    num_m_blocks = -(-Nq // block_m) if varlen is None else Nq // block_m + varlen[2]
+    num_m_blocks = grid_slots(Nq, block_m, varlen)
     programs = num_m_blocks * (B * H if varlen is None else H)
     attention_dq_hopper_kernel[(programs,)](
         tile_descriptor(q, 64), tile_descriptor(k, block_n), tile_descriptor(v, block_n), tile_descriptor(do, 64),

@@ -79,7 +79,9 @@ from .gluon_hopper import (
     fence_async_shared,
     gl,
     gluon,
+    grid_slots,
     mbarrier,
+    packed_views,
     ring_wait,
     store_rows_below,
     tile_descriptor,
@@ -825,20 +827,6 @@ def _modifier_flags(modifiers: ScoreModifiers | None) -> dict[str, bool]:
     )  # fmt: skip
 
 
-def _packed_views(
-    tensors: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, ...], varlen: tuple | None, stand_in: torch.Tensor
-) -> tuple:
-    """``(*tensors, sequences)``: for a packed batch (``varlen``) each ``[total, heads, *]`` tensor seen as ``[1,
-    heads, total, *]`` (a head's rows of the whole packed tensor, one TMA box per tile), once the ``outputs`` are
-    checked contiguous (the masked stores step rows by ``heads * width``), and ``varlen`` as the kernels' sequence
-    arguments; for a dense call the tensors as they are and ``stand_in`` in the sequences' place (not read)."""
-    if varlen is None:
-        return (*tensors, (stand_in, stand_in, 0, 0))
-    if not all(x.is_contiguous() for x in outputs):
-        raise ValueError("the gradients of a packed batch must be contiguous [total, heads, head_dim] tensors")
-    return (*(x.unsqueeze(0).transpose(1, 2) for x in tensors), varlen)
-
-
 def _part_descriptors(x: torch.Tensor, rows: int) -> tuple:
     """Descriptors of ``x``'s two column parts (views with x's strides, the second one's base 128 columns on)."""
     first = wide_head_dim_parts(x.shape[-1])[0]
@@ -874,12 +862,11 @@ def attention_dkdv_wide_hopper(
     q, do ``[total_q, H, *]``, k, v, dk, dv ``[total_k, Hkv, *]`` (dk, dv contiguous), lse2 and delta
     ``[H, total_q]``."""
     dk_rows, dv_rows = dk, dv  # packed: the [total_k, Hkv, *] tensors that the masked stores address
-    q, k, v, do, dk, dv, sequences = _packed_views((q, k, v, do, dk, dv), (dk, dv), varlen, lse2)
+    q, k, v, do, dk, dv, sequences = packed_views((q, k, v, do, dk, dv), {"dk": dk, "dv": dv}, varlen, lse2)
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     _check_wide_call(q, v, block_m, block_n, num_stages, "dK/dV")
-    # Packed: slots per K/V head (common.kv_block_opening), at most one idle slot per sequence.
-    num_n_blocks = -(-Nk // block_n) if varlen is None else Nk // block_n + varlen[2]
+    num_n_blocks = grid_slots(Nk, block_n, varlen)
     first, second = wide_head_dim_parts(D)
     attention_dkdv_wide_kernel[(num_n_blocks * B * Hkv,)](
         *_part_descriptors(q, block_m), *_part_descriptors(k, block_n), tile_descriptor(v, block_n),
@@ -920,14 +907,13 @@ def attention_dq_wide_hopper(
     ``varlen``: a packed batch as ``attention_dkdv_wide_hopper`` takes it: q, o, do, dq ``[total_q, H, *]`` (dq
     contiguous), k, v ``[total_k, Hkv, *]``, lse, lse2 and delta ``[H, total_q]``."""
     dq_rows = dq  # packed: the [total_q, H, D] tensor that the masked stores address
-    q, k, v, o, do, dq, sequences = _packed_views((q, k, v, o, do, dq), (dq,), varlen, lse)
+    q, k, v, o, do, dq, sequences = packed_views((q, k, v, o, do, dq), {"dq": dq}, varlen, lse)
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     _check_wide_call(q, v, block_m, block_n, num_stages, "dQ")
     if o.stride(-1) != 1 or do.stride(-1) != 1:
         raise ValueError("o and do must have contiguous rows (last stride 1)")
-    # Packed: slots per head (common.varlen_block), at most one idle slot per sequence.
-    num_m_blocks = -(-Nq // block_m) if varlen is None else Nq // block_m + varlen[2]
+    num_m_blocks = grid_slots(Nq, block_m, varlen)
     first, second = wide_head_dim_parts(D)
     attention_dq_wide_kernel[(num_m_blocks * B * H,)](
         *_part_descriptors(q, block_m), *_part_descriptors(k, block_n), tile_descriptor(v, block_n),

@@ -68,8 +68,10 @@ from .gluon_hopper import (
     fence_async_shared,
     gl,
     gluon,
+    grid_slots,
     head_dim_parts,
     mbarrier,
+    packed_views,
     ring_load,
     ring_load_pair,
     ring_wait,
@@ -830,14 +832,10 @@ def attention_forward_hopper(
     ``descale``: FP8 inputs (``attnzoo.attention_fp8``), q, k, v ``float8_e4m3fn`` with float32 factors ``[B, Hkv,
     3]``, v stored keys-contiguous (``v.stride(-2) == 1``), o bfloat16; dense, not persistent, D = 64 or 128.
     """
-    o_rows = o
-    if varlen is not None:
-        if persistent:
-            raise ValueError("a packed batch runs one Q block per program: persistent=False")
-        if not o.is_contiguous():  # the masked stores of a cut slab step heads by Dv and rows by H * Dv
-            raise ValueError("o must be a contiguous [total_q, H, Dv] tensor for a packed batch")
-        # [total, H, D] seen as [1, H, total, D]: a head's rows of the whole packed tensor, one TMA box per tile.
-        q, k, v, o = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v, o))
+    o_rows = o  # packed: the [total_q, H, Dv] tensor that the masked stores address
+    if varlen is not None and persistent:
+        raise ValueError("a packed batch runs one Q block per program: persistent=False")
+    q, k, v, o, sequences = packed_views((q, k, v, o), {"o": o}, varlen, lse)
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     check_warpgroup_rows(block_m, num_warps)
@@ -856,14 +854,8 @@ def attention_forward_hopper(
         q2_desc, k2_desc = q_desc, k_desc  # not read
     if persistent and block_m != 128:
         raise ValueError(f"persistent runs the warp-specialised 128-row blocks, got block_m={block_m}")
-    if varlen is None:
-        num_m_blocks = -(-Nq // block_m)
-        num_tiles = num_m_blocks * B * H
-        sequences = (lse, lse, 0, 0)  # not read
-    else:
-        num_m_blocks = Nq // block_m + varlen[2]  # slots per head (common.varlen_block)
-        num_tiles = num_m_blocks * H
-        sequences = varlen
+    num_m_blocks = grid_slots(Nq, block_m, varlen)
+    num_tiles = num_m_blocks * H * (B if varlen is None else 1)
     if descale is None:
         v_desc = tile_descriptor(v, block_n)
     else:

@@ -250,6 +250,29 @@ def _tile_layout(rows: int, cols: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], gl_dtype)
 
 
+def packed_views(
+    tensors: tuple[torch.Tensor, ...], outputs: dict[str, torch.Tensor], varlen: tuple | None, stand_in: torch.Tensor
+) -> tuple:
+    """``(*tensors, sequences)`` for a launcher: for a packed batch (``varlen = (cu_seqlens_q, cu_seqlens_k, B,
+    search_steps)``) each ``[total, heads, *]`` tensor seen as ``[1, heads, total, *]`` (a head's rows of the whole
+    packed tensor, one TMA box per tile) once the ``outputs`` (by name) are checked contiguous, since the masked
+    stores of a cut block step rows by ``heads * width``; and ``varlen`` as the kernels' sequence arguments.  For a
+    dense call the tensors as they are and ``stand_in`` in the sequences' place (not read)."""
+    if varlen is None:
+        return (*tensors, (stand_in, stand_in, 0, 0))
+    for name, x in outputs.items():
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous [total, heads, head_dim] tensor for a packed batch")
+    return (*(x.unsqueeze(0).transpose(1, 2) for x in tensors), varlen)
+
+
+def grid_slots(rows: int, block: int, varlen: tuple | None) -> int:
+    """Programs per (batch, head) of a grid over ``rows`` in blocks of ``block``: ``ceil(rows / block)``; packed
+    (``rows`` = total, per head), ``rows // block + B``: each sequence's blocks and at most one idle slot per
+    sequence (``common.varlen_block``, ``kv_block_opening``)."""
+    return -(-rows // block) if varlen is None else rows // block + varlen[2]
+
+
 def tile_descriptor(x: torch.Tensor, rows: int, cols: int | None = None) -> GluonTensorDescriptor:
     """A Gluon TMA descriptor of ``x`` ``[B, H, N, D]`` whose box is ``[1, 1, rows, cols]`` (default: all D columns;
     one tile of one head)."""
