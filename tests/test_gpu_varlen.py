@@ -17,7 +17,7 @@ from test_varlen import VarlenCase, _check, varlen_cases
 import attnzoo
 from attnzoo.kernels.gluon_hopper import gluon_unavailable_reason
 from attnzoo.kernels.launch import KernelVariant, prepare
-from attnzoo.kernels.tuning import CANDIDATES, KernelConfig, candidates, head_dim_tile
+from attnzoo.kernels.tuning import CANDIDATES, WIDE_GLUON_TILE, KernelConfig, candidates, head_dim_tile
 from attnzoo.testing_varlen import VarlenInputs, random_varlen_inputs, run_varlen_backend, varlen_oracle_for
 from attnzoo.varlen import attention_varlen_backward_op, attention_varlen_forward_op, validate_varlen
 
@@ -214,7 +214,6 @@ GLUON_DKDV_CASES = {
         (70, 65, 129), (100, 0, 130), 8, 2, 192, 128, True, None, 0.0, "heads", F16, "contiguous", None, 15,
     ),
 }  # fmt: skip
-WIDE_TILE = KernelConfig.parse("64x64 w4 s2 gluon")  # the head-dim-split dK/dV and dQ kernels' one tile
 
 
 @pytest.mark.parametrize("case", list(GLUON_DKDV_CASES))
@@ -232,7 +231,7 @@ def test_gluon_backward_kernels_on_packed_batches(kernel, cfg, dtype, case):
     dims = (case.head_dim, case.head_dim_v)
     fitting = candidates(kernel, head_dim_tile(case.head_dim), dtype, torch.device("cuda"), gluon_head_dims=dims)
     if case.head_dim > 128:  # the head-dim-split kernels' one tile must run, never be skipped
-        assert WIDE_TILE in fitting, fitting
+        assert WIDE_GLUON_TILE in fitting, fitting
     if cfg not in fitting:
         pytest.skip(f"{cfg} is not a candidate at D={dims[0]} Dv={dims[1]} (shared memory or registers: dropped)")
     reasons = _gluon_reasons(case.make(), VARIANTS[kernel], case.causal, **case.modifiers)

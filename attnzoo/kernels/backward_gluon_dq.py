@@ -524,7 +524,7 @@ def attention_dq_hopper(
     if o.stride(-1) != 1 or do.stride(-1) != 1:
         raise ValueError("o and do must have contiguous rows (last stride 1)")
     num_m_blocks = grid_slots(Nq, block_m, varlen)
-    programs = num_m_blocks * (B * H if varlen is None else H)
+    programs = num_m_blocks * B * H  # (packed: B = 1, the views' batch)
     attention_dq_hopper_kernel[(programs,)](
         tile_descriptor(q, 64), tile_descriptor(k, block_n), tile_descriptor(v, block_n), tile_descriptor(do, 64),
         tile_descriptor(dq, 64), lse, lse2, delta,

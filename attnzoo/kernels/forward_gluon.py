@@ -855,7 +855,7 @@ def attention_forward_hopper(
     if persistent and block_m != 128:
         raise ValueError(f"persistent runs the warp-specialised 128-row blocks, got block_m={block_m}")
     num_m_blocks = grid_slots(Nq, block_m, varlen)
-    num_tiles = num_m_blocks * H * (B if varlen is None else 1)
+    num_tiles = num_m_blocks * B * H  # (packed: B = 1, the views' batch)
     if descale is None:
         v_desc = tile_descriptor(v, block_n)
     else:
