@@ -32,6 +32,12 @@ def poison_outputs() -> bool:
     return _flag("ATTNZOO_POISON_OUTPUTS")
 
 
+def check_launches() -> bool:
+    """Whether each launch that skips Triton's argument binding is checked against Triton's own kernel lookup
+    (``ATTNZOO_CHECK_LAUNCHES=1``, set by the GPU tests; ``kernels/compiled_launch.py``)."""
+    return _flag("ATTNZOO_CHECK_LAUNCHES")
+
+
 def autotune_requested() -> bool:
     """Whether keys without a stored winner are tuned by timing their candidates (``ATTNZOO_AUTOTUNE=1``)."""
     return _flag("ATTNZOO_AUTOTUNE")

@@ -64,6 +64,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_the_language_once_per_launch()
 # Every backend output is NaN-filled before its kernel runs, so an element a kernel forgets to write fails.
 os.environ.setdefault("ATTNZOO_POISON_OUTPUTS", "1")
+# Every launch that skips Triton's argument binding also looks its kernel up as Triton would, and fails if the
+# launcher's key named another one (kernels/compiled_launch.py).
+os.environ.setdefault("ATTNZOO_CHECK_LAUNCHES", "1")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, Verbosity, settings  # noqa: E402

@@ -15,7 +15,7 @@ from every_candidate import SHARDS, check_every_candidate
 
 import attnzoo
 from attnzoo import oracle
-from attnzoo.kernels import tuning
+from attnzoo.kernels import compiled_launch, tuning
 from attnzoo.kernels.backward_2kernel import attention_backward_2kernel
 from attnzoo.kernels.backward_atomic import attention_backward_atomic
 from attnzoo.kernels.forward import attention_forward
@@ -582,3 +582,36 @@ def test_view_with_a_row_stride_past_int32_tiles(name):
     dq, _, _ = backend.backward(do, q, k, v, o, lse, causal=True)
     dq_ref, _, _ = backend.backward(do, q.contiguous(), k, v, o_ref, lse_ref, causal=True)
     torch.testing.assert_close(dq, dq_ref, atol=1e-3, rtol=1e-3)
+
+
+def _do_of_layout(do: torch.Tensor, layout: str) -> torch.Tensor:
+    """``do``'s values in another memory layout: heads-minor strides, or a base 16 or 2 bytes past the allocation."""
+    if layout == "transposed":
+        return do.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout in ("offset 16 bytes", "offset 2 bytes"):
+        skip = 8 if layout == "offset 16 bytes" else 1
+        flat = torch.empty(do.numel() + skip, dtype=do.dtype, device=do.device)
+        flat[skip:].copy_(do.reshape(-1))
+        return flat[skip:].view(do.shape)
+    return do
+
+
+@pytest.mark.parametrize("name", TRITON)
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_repeated_calls_reach_the_compiled_kernels_directly(name, D, monkeypatch):
+    """From the second call of a signature on, every launch goes straight to the kernel that Triton found for the
+    first (``kernels/compiled_launch.py``).  Fresh inputs and a ``do`` of other strides or alignment, call after
+    call: each call's outputs within the oracle's bound, and (``ATTNZOO_CHECK_LAUNCHES``, on in the tests) each
+    launch's kernel Triton's own pick for its arguments."""
+    monkeypatch.setattr(compiled_launch, "_COMPILED", {})
+    backend = attnzoo.get(name)
+    layouts = ("contiguous", "transposed", "offset 16 bytes", "offset 2 bytes", "contiguous", "transposed")
+    compiled_after = []
+    for seed, layout in enumerate(layouts):
+        q, k, v, do, _ = _make(2, 4, 2, 200, 261, D, torch.float16, seed=seed)
+        do = _do_of_layout(do, layout)
+        outputs = _run(backend, q, k, v, do, True, None)
+        _small_check(outputs, q, k, v, do, True, None)
+        compiled_after.append(len(compiled_launch._COMPILED))
+    assert compiled_after[0] > 0  # the launches were keyed
+    assert compiled_after[-2:] == compiled_after[3:4] * 2  # the layouts seen before reused their kernels

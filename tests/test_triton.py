@@ -355,9 +355,14 @@ def test_a_prepared_call_is_reused_only_for_the_same_signature():
     again = prepare(q2, k2, v2, problem)
     assert again.q is q2 and again.k is k2 and again.v is v2
     assert again.derived is first.derived and again.kv_descriptors
+    # Launches of one template reuse its kernels (compiled_launch); another operand's strides or alignment do not.
+    assert again.template_id == first.template_id is not None
+    assert again.launch_key(q2) == first.launch_key(q) != first.launch_key(q.transpose(1, 2))
+    assert first.launch_key(torch.randn(1 * 2 * 8 * 16 + 1)[1:].view(1, 2, 8, 16)) != first.launch_key(q)
     shifted = torch.randn(2 * 8 * 16 + 1)[1:].view(1, 2, 8, 16)  # the same strides, the base 4 bytes past alignment
     off = prepare(q2, shifted, v2, problem)
     assert off.k is shifted and off.derived is not first.derived and not off.kv_descriptors
+    assert off.template_id != first.template_id
     assert prepare(q, k, v, problem).kv_descriptors
     transposed = torch.randn(1, 8, 2, 16).transpose(1, 2)  # other strides
     assert prepare(q, transposed, v, problem).derived is not first.derived

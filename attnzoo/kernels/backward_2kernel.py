@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.compiler.errors import CompilationError
 
-from . import tuning
+from . import compiled_launch, tuning
 from .backward_gluon import attention_dkdv_hopper
 from .backward_gluon_dq import attention_dq_hopper
 from .backward_gluon_wide import attention_dkdv_wide_hopper, attention_dq_wide_hopper
@@ -374,6 +374,7 @@ def attention_backward_2kernel(
     hopper_dkdv = not call.gluon_reasons(KernelVariant.DKDV, do)
     hopper_dq = not call.gluon_reasons(KernelVariant.DQ, do, o)
     modifiers = call.modifiers
+    launch_key = call.launch_key(do, o, lse)
 
     def gluon_runs(cfg, kernel: str) -> bool:
         # Above D = 128 the Gluon kernels are backward_gluon_wide's, of one tile: another pinned gluon config runs
@@ -387,19 +388,21 @@ def attention_backward_2kernel(
                     attention_dkdv_wide_hopper(
                         q, k, v, do, lse2, delta, dk, dv, call.scale, call.causal, cfg.block_m, cfg.block_n,
                         cfg.num_stages, modifiers, varlen=call.varlen_args if call.varlen else None,
+                        launch_key=launch_key,
                     )  # fmt: skip
                     return
                 attention_dkdv_hopper(
                     q, k, v, do, lse2, delta, dk, dv, call.scale, call.causal, modifiers,
                     cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                    varlen=call.varlen_args if call.varlen else None,
+                    varlen=call.varlen_args if call.varlen else None, launch_key=launch_key,
                 )  # fmt: skip
                 return
             except CompilationError as error:  # Gluon's API drifted (frontend error): the Triton kernel's tiles serve
                 record_compile_failure(error)
         num_n_blocks = call.kv_slots(cfg.block_n)
         programs = call.kv_programs(cfg.block_n)
-        dkdv_kernel[grid_1d(programs)](
+        compiled_launch.launch(
+            dkdv_kernel, grid_1d(programs), launch_key,
             *tensor_args(q), *tensor_args(k), *tensor_args(v), *tensor_args(do), *tensor_args(dk), *tensor_args(dv),
             lse2, delta, call.seqlens, call.counts_for(KernelVariant.DKDV, programs),
             H, Hkv, call.group_size, Nq, Nk, num_n_blocks, call.scale, qk_scale, D, *modifiers.args,
@@ -417,12 +420,13 @@ def attention_backward_2kernel(
                     attention_dq_wide_hopper(
                         q, k, v, o, do, lse, lse2, delta, dq, call.scale, call.causal, cfg.block_m, cfg.block_n,
                         cfg.num_stages, modifiers, varlen=call.varlen_args if call.varlen else None,
+                        launch_key=launch_key,
                     )  # fmt: skip
                     return
                 attention_dq_hopper(
                     q, k, v, o, do, lse, lse2, delta, dq, call.scale, call.causal, modifiers,
                     cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                    varlen=call.varlen_args if call.varlen else None,
+                    varlen=call.varlen_args if call.varlen else None, launch_key=launch_key,
                 )  # fmt: skip
                 return
             except CompilationError as error:  # as in launch_dkdv
@@ -430,7 +434,8 @@ def attention_backward_2kernel(
         num_m_blocks = call.q_slots(cfg.block_m)
         use_tma, k_desc, v_desc = call.kv_tile_descriptors(cfg)
         programs = call.q_programs(cfg.block_m)
-        dq_kernel[grid_1d(programs)](
+        compiled_launch.launch(
+            dq_kernel, grid_1d(programs), launch_key,
             *tensor_args(q), *tensor_args(k), *tensor_args(v), *tensor_args(o), *tensor_args(do), *tensor_args(dq),
             lse, lse2, delta, k_desc, v_desc, call.seqlens, call.counts_for(KernelVariant.DQ, programs),
             H, call.group_size, Nq, Nk, num_m_blocks, call.scale, qk_scale, D, *modifiers.args,

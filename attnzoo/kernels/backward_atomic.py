@@ -25,6 +25,7 @@ import triton.language as tl
 from triton.compiler.errors import CompilationError
 
 from .._env import triton_interpreter_active
+from . import compiled_launch
 from .backward_2kernel import attention_backward_2kernel
 from .backward_gluon import attention_dkdv_hopper, dq_staging_order
 from .common import (
@@ -100,7 +101,9 @@ def compute_delta(
     lse2 = None if lse is None else call.new_output((B, H, Nq), torch.float32)
     block_m = INTERPRETER_CONFIG.block_m if triton_interpreter_active() else PREPROCESS_BLOCK_M
     num_m_blocks = num_blocks(Nq, block_m)
-    delta_preprocess_kernel[grid_1d(num_m_blocks * B * H)](
+    launch_key = call.launch_key(o, do) if lse is None else call.launch_key(o, do, lse)
+    compiled_launch.launch(
+        delta_preprocess_kernel, grid_1d(num_m_blocks * B * H), launch_key,
         *tensor_args(o), *tensor_args(do), delta, delta if lse is None else lse, delta if lse2 is None else lse2,
         H, Nq, num_m_blocks, head_dim=Dv, EVEN_D=call.modifiers.flags["EVEN_DV"], BLOCK_D=call.block_dv,
         BLOCK_M=block_m, WRITE_LSE2=lse is not None, num_warps=4,
@@ -336,6 +339,7 @@ def attention_backward_atomic(
     else:
         delta, lse2 = compute_delta(call, o, do, lse if hopper else None)
     modifiers = call.modifiers
+    launch_key = call.launch_key(do, o, lse)
     # The last launch's dq, dk, dv in the inputs' dtypes (the float32 sums cast: part of each path's cost when the
     # tuner times them).  Buffers are made by the first launch that needs them, and each launch zeroes the sums it
     # adds into first (autotuning trials included).
@@ -369,6 +373,7 @@ def attention_backward_atomic(
                 attention_dkdv_hopper(
                     q, k, v, do, lse2, delta, dk, dv, call.scale, call.causal, modifiers,
                     cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, dq_acc=dq_acc, dq_locks=dq_locks,
+                    launch_key=launch_key,
                 )  # fmt: skip
             except CompilationError as error:  # Gluon's API drifted (frontend error): the Triton kernel serves
                 record_compile_failure(error)
@@ -382,7 +387,8 @@ def attention_backward_atomic(
         dv_acc = buffer("dv_acc", v.shape, torch.float32, zeroed=True)
         num_m_blocks = call.q_slots(cfg.block_m)
         programs = call.q_programs(cfg.block_m)
-        atomic_backward_kernel[grid_1d(programs)](
+        compiled_launch.launch(
+            atomic_backward_kernel, grid_1d(programs), launch_key,
             *tensor_args(q), *tensor_args(k), *tensor_args(v), *tensor_args(do), *tensor_args(dq),
             *tensor_args(dk_acc), *tensor_args(dv_acc), lse, delta, call.seqlens, call.counts_for(variant, programs),
             H, call.group_size, Nq, Nk, num_m_blocks, call.scale, call.scale * LOG2E, D, *modifiers.args,

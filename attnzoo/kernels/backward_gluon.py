@@ -64,6 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import compiled_launch
 from .common import LOG2E, kv_block_opening, q_loop_bounds
 from .forward_gluon import KERNEL_WARPS
 from .gluon_hopper import (
@@ -1061,6 +1062,7 @@ def attention_dkdv_hopper(
     varlen: tuple | None = None,
     dq_acc: torch.Tensor | None = None,
     dq_locks: torch.Tensor | None = None,
+    launch_key: tuple | None = None,
 ) -> None:
     """Write ``dk``, ``dv`` ``[B, Hkv, Nk, D]`` (contiguous, dtype of q; summed over each head group).
 
@@ -1076,6 +1078,9 @@ def attention_dkdv_hopper(
     tensor (contiguous, zeroed; Nq' is Nq rounded up to ``block_m``, the padding rows take zeros); ``dq_locks``:
     int32 ``[B, H, Nq' / block_m, 2]`` (zeroed) to add the K/V blocks' shares in a fixed order (bitwise reproducible
     dQ), None for the unordered additions.
+
+    ``launch_key``: the call's ``launch.PreparedCall.launch_key`` of the operands other than q, k, v and the
+    launcher's fresh outputs (``compiled_launch``), or None.
     """
     dk_rows, dv_rows = dk, dv  # packed: the [total_k, Hkv, D] tensors that the masked stores address
     if dv.shape != dk.shape:  # one row stride and one head offset serve both stores: Dv = D (the scope's head dims)
@@ -1096,7 +1101,8 @@ def attention_dkdv_hopper(
     warp_specialized = dkdv_warp_specialized(num_warps)
     writer = warp_specialized and dq_acc is not None and dq_writer(D, causal, dq_locks is not None)
     keys = 64 if warp_specialized else block_n  # the k/v/dk/dv boxes: one warpgroup's keys when specialised
-    attention_dkdv_hopper_kernel[(num_n_blocks * B * Hkv,)](
+    compiled_launch.launch(
+        attention_dkdv_hopper_kernel, (num_n_blocks * B * Hkv,), launch_key,
         q_desc, tile_descriptor(k, keys), tile_descriptor(v, keys),
         tile_descriptor(do, block_m), tile_descriptor(dk, keys), tile_descriptor(dv, keys), lse2, delta,
         H, Hkv, H // Hkv, Nq, Nk, num_n_blocks, scale, scale * LOG2E, *modifiers.args[1:8],

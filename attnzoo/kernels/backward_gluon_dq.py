@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import compiled_launch
 from .common import LOG2E, softcap_scores
 from .forward_gluon import KERNEL_WARPS
 from .gluon_hopper import (
@@ -503,6 +504,7 @@ def attention_dq_hopper(
     num_warps: int = 8,
     num_stages: int = 3,
     varlen: tuple | None = None,
+    launch_key: tuple | None = None,
 ) -> None:
     """Write ``dq`` ``[B, H, Nq, D]`` (contiguous, dtype of q), and ``lse2`` (lse * log2(e), +inf on empty rows) and
     ``delta`` (rowsum(dO * O)) ``[B, H, Nq]`` float32 contiguous for the dK/dV kernel.
@@ -513,6 +515,9 @@ def attention_dq_hopper(
     ``varlen = (cu_seqlens_q, cu_seqlens_k, B, search_steps)``: a packed batch (``launch.PreparedCall.varlen_args``),
     q, o, do, dq ``[total_q, H, D]`` (dq contiguous), k, v ``[total_k, Hkv, D]``, lse, lse2 and delta ``[H,
     total_q]``.
+
+    ``launch_key``: the call's ``launch.PreparedCall.launch_key`` of the operands other than q, k, v and the
+    launcher's fresh outputs (``compiled_launch``), or None.
     """
     if num_stages < 2:  # iteration j reads K_{j-1} (its dQ product) and K_j (S): one slot would wait forever
         raise ValueError(f"num_stages={num_stages}: the dQ kernel's K/V ring needs at least 2 slots")
@@ -525,7 +530,8 @@ def attention_dq_hopper(
         raise ValueError("o and do must have contiguous rows (last stride 1)")
     num_m_blocks = grid_slots(Nq, block_m, varlen)
     programs = num_m_blocks * B * H  # (packed: B = 1, the views' batch)
-    attention_dq_hopper_kernel[(programs,)](
+    compiled_launch.launch(
+        attention_dq_hopper_kernel, (programs,), launch_key,
         tile_descriptor(q, 64), tile_descriptor(k, block_n), tile_descriptor(v, block_n), tile_descriptor(do, 64),
         tile_descriptor(dq, 64), lse, lse2, delta,
         o, *o.stride()[:3], do, *do.stride()[:3],

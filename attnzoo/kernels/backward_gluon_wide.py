@@ -71,6 +71,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import compiled_launch
 from .common import LOG2E, load_lse2, q_loop_bounds
 from .forward_gluon import KERNEL_WARPS
 from .gluon_hopper import (
@@ -849,6 +850,7 @@ def attention_dkdv_wide_hopper(
     num_stages: int = 2,
     modifiers: ScoreModifiers | None = None,
     varlen: tuple | None = None,
+    launch_key: tuple | None = None,
 ) -> None:
     """Write ``dk`` ``[B, Hkv, Nk, D]`` and ``dv`` ``[B, Hkv, Nk, Dv]`` (contiguous, dtype of q; summed over each
     head group).
@@ -860,7 +862,11 @@ def attention_dkdv_wide_hopper(
 
     ``varlen = (cu_seqlens_q, cu_seqlens_k, B, search_steps)``: a packed batch (``launch.PreparedCall.varlen_args``),
     q, do ``[total_q, H, *]``, k, v, dk, dv ``[total_k, Hkv, *]`` (dk, dv contiguous), lse2 and delta
-    ``[H, total_q]``."""
+    ``[H, total_q]``.
+
+    ``launch_key``: the call's ``launch.PreparedCall.launch_key`` of the operands other than q, k, v and the
+    launcher's fresh outputs (``compiled_launch``), or None.
+    """
     dk_rows, dv_rows = dk, dv  # packed: the [total_k, Hkv, *] tensors that the masked stores address
     q, k, v, do, dk, dv, sequences = packed_views((q, k, v, do, dk, dv), {"dk": dk, "dv": dv}, varlen, lse2)
     B, H, Nq, D = q.shape
@@ -868,7 +874,8 @@ def attention_dkdv_wide_hopper(
     _check_wide_call(q, v, block_m, block_n, num_stages, "dK/dV")
     num_n_blocks = grid_slots(Nk, block_n, varlen)
     first, second = wide_head_dim_parts(D)
-    attention_dkdv_wide_kernel[(num_n_blocks * B * Hkv,)](
+    compiled_launch.launch(
+        attention_dkdv_wide_kernel, (num_n_blocks * B * Hkv,), launch_key,
         *_part_descriptors(q, block_m), *_part_descriptors(k, block_n), tile_descriptor(v, block_n),
         tile_descriptor(do, block_m), *_part_descriptors(dk, block_n), tile_descriptor(dv, block_n), lse2, delta,
         H, Hkv, H // Hkv, Nq, Nk, num_n_blocks, scale, scale * LOG2E, *_modifier_args(modifiers, q),
@@ -896,6 +903,7 @@ def attention_dq_wide_hopper(
     num_stages: int = 2,
     modifiers: ScoreModifiers | None = None,
     varlen: tuple | None = None,
+    launch_key: tuple | None = None,
 ) -> None:
     """Write ``dq`` ``[B, H, Nq, D]`` (contiguous, dtype of q), and ``lse2`` (lse * log2(e), +inf on empty rows) and
     ``delta`` (rowsum(dO * O)) ``[B, H, Nq]`` float32 contiguous for the dK/dV kernel.
@@ -905,7 +913,10 @@ def attention_dq_wide_hopper(
     ``KernelVariant.DQ.gluon_scope`` checks (any score modifiers, ``modifiers``).
 
     ``varlen``: a packed batch as ``attention_dkdv_wide_hopper`` takes it: q, o, do, dq ``[total_q, H, *]`` (dq
-    contiguous), k, v ``[total_k, Hkv, *]``, lse, lse2 and delta ``[H, total_q]``."""
+    contiguous), k, v ``[total_k, Hkv, *]``, lse, lse2 and delta ``[H, total_q]``.
+
+    ``launch_key``: as ``attention_dkdv_wide_hopper`` takes it.
+    """
     dq_rows = dq  # packed: the [total_q, H, D] tensor that the masked stores address
     q, k, v, o, do, dq, sequences = packed_views((q, k, v, o, do, dq), {"dq": dq}, varlen, lse)
     B, H, Nq, D = q.shape
@@ -915,7 +926,8 @@ def attention_dq_wide_hopper(
         raise ValueError("o and do must have contiguous rows (last stride 1)")
     num_m_blocks = grid_slots(Nq, block_m, varlen)
     first, second = wide_head_dim_parts(D)
-    attention_dq_wide_kernel[(num_m_blocks * B * H,)](
+    compiled_launch.launch(
+        attention_dq_wide_kernel, (num_m_blocks * B * H,), launch_key,
         *_part_descriptors(q, block_m), *_part_descriptors(k, block_n), tile_descriptor(v, block_n),
         tile_descriptor(do, block_m), *_part_descriptors(dq, block_m), lse, lse2, delta,
         o, *o.stride()[:3], do, *do.stride()[:3],

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from triton.compiler.errors import CompilationError
 
+from . import compiled_launch
 from .common import (
     LOG2E,
     alibi_slope2,
@@ -228,6 +229,7 @@ def attention_forward(call: PreparedCall) -> tuple[torch.Tensor, torch.Tensor]:
                     q, k, v, o, lse, call.scale, call.causal, modifiers,
                     cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.persistent,
                     varlen=call.varlen_args if call.varlen else None, descale=call.descale,
+                    launch_key=call.launch_key(),
                 )  # fmt: skip
                 return
             except CompilationError as error:  # Gluon's API drifted (frontend error): the Triton kernel's tiles serve
@@ -235,9 +237,10 @@ def attention_forward(call: PreparedCall) -> tuple[torch.Tensor, torch.Tensor]:
         num_m_blocks = call.q_slots(cfg.block_m)
         use_tma, k_desc, v_desc = call.kv_tile_descriptors(cfg)
         programs = call.q_programs(cfg.block_m)
-        attention_forward_kernel[grid_1d(programs)](
-            *tensor_args(q), *tensor_args(k), *tensor_args(v), *tensor_args(o),
-            lse, k_desc, v_desc, call.seqlens, call.counts_for(KernelVariant.FORWARD, programs),
+        compiled_launch.launch(
+            attention_forward_kernel, grid_1d(programs), call.launch_key(),
+            *tensor_args(q), *tensor_args(k), *tensor_args(v), *tensor_args(o), lse,
+            k_desc, v_desc, call.seqlens, call.counts_for(KernelVariant.FORWARD, programs),
             H, call.group_size, call.seqlen_q, call.seqlen_k, num_m_blocks, call.scale * LOG2E, D,
             *modifiers.args, *call.varlen_args, VARLEN=call.varlen,
             EVEN_D=call.even_d, BLOCK_D=call.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

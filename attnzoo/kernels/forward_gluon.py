@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import compiled_launch
 from .common import LOG2E, fp8_factors, kv_loop_bounds, q_block_opening, q_block_program, softcap_scores
 from .gluon_hopper import (
     accumulator_layout,
@@ -814,6 +815,7 @@ def attention_forward_hopper(
     persistent: bool = False,
     varlen: tuple | None = None,
     descale: torch.Tensor | None = None,
+    launch_key: tuple | None = None,
 ) -> None:
     """Write ``o`` ``[B, H, Nq, Dv]`` (contiguous, dtype of q; bfloat16 for FP8 inputs) and ``lse`` ``[B, H, Nq]``
     float32 of one call.
@@ -831,6 +833,9 @@ def attention_forward_hopper(
 
     ``descale``: FP8 inputs (``attnzoo.attention_fp8``), q, k, v ``float8_e4m3fn`` with float32 factors ``[B, Hkv,
     3]``, v stored keys-contiguous (``v.stride(-2) == 1``), o bfloat16; dense, not persistent, D = 64 or 128.
+
+    ``launch_key``: ``launch.PreparedCall.launch_key()`` of the call (``compiled_launch``; o and lse are the
+    launcher's fresh outputs).
     """
     o_rows = o  # packed: the [total_q, H, Dv] tensor that the masked stores address
     if varlen is not None and persistent:
@@ -864,7 +869,8 @@ def attention_forward_hopper(
         # The FP8 P V takes V K-major: boxes of the keys-contiguous [B, Hkv, Dv, Nk] view, Dv rows of BLOCK_N keys.
         v_desc = tile_descriptor(v.transpose(-1, -2), Dv, block_n)
     programs = min(num_tiles, sm_count(q.device)) if persistent else num_tiles
-    attention_forward_hopper_kernel[(programs,)](
+    compiled_launch.launch(
+        attention_forward_hopper_kernel, (programs,), launch_key,
         q_desc, k_desc, q2_desc, k2_desc, v_desc, tile_descriptor(o, 64), lse,
         H, H // Hkv, Nq, Nk, num_m_blocks, scale * LOG2E, *modifiers.args[1:], num_tiles,
         o_rows, o_rows.stride(0), Nq, *sequences, lse if descale is None else descale,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -328,6 +329,9 @@ class PreparedCall:
     # What launches decide from the call alone (Gluon scope reasons, tuning keys), remembered by ``gluon_reasons`` and
     # ``run``; one dict for every call prepared from the same template (``prepare``), which all decide alike.
     derived: dict = field(default_factory=dict)
+    # The template's number (``prepare``): calls of one template specialise every kernel alike (``launch_key``);
+    # None for a call prepared afresh.
+    template_id: int | None = None
 
     def with_tensors(self, q: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor | None) -> PreparedCall:
         """This call with other q, k, v of the same signature (``_signature``); the ``derived`` dict is shared."""
@@ -336,6 +340,15 @@ class PreparedCall:
         call.q, call.k, call.v = q, k, v
         call.__dict__.pop("kv_descriptors", None)  # a cached property: recomputed for the new tensors
         return call
+
+    def launch_key(self, *operands: torch.Tensor) -> tuple | None:
+        """The key under which a launch on this call reuses the kernel that Triton found for the first
+        (``compiled_launch``): the template's number, which fixes q, k, v and every integer of the problem, and the
+        dtype, strides and 16-byte alignment of ``operands``, the launch's tensors that are neither q, k, v nor
+        outputs the launcher allocates.  None for a call without a template: Triton binds its every launch."""
+        if self.template_id is None:
+            return None
+        return (self.template_id, *((x.dtype, x.stride(), x.data_ptr() % 16) for x in operands))
 
     @property
     def output_dtype(self) -> torch.dtype:
@@ -466,6 +479,7 @@ def prepare(
     if signature is not None and call.q is q and call.k is k and call.v is v:  # no copies were needed
         if len(_TEMPLATES) >= _TEMPLATES_MAX:
             _TEMPLATES.clear()
+        call.template_id = next(_TEMPLATE_IDS)
         _TEMPLATES[signature] = call.with_tensors(None, None, None)  # the template keeps no tensor alive
     return call
 
@@ -473,6 +487,8 @@ def prepare(
 # Prepared calls by signature: repeated dense calls (a training loop) skip deriving the same fields.
 _TEMPLATES: dict[tuple, PreparedCall] = {}
 _TEMPLATES_MAX = 256
+# Never reused (an evicted template's number stays with the kernels launched under it).
+_TEMPLATE_IDS = itertools.count()
 
 
 def _signature(
