@@ -13,6 +13,8 @@ pytest.importorskip("triton")
 
 from attnzoo.kernels import compiled_launch
 
+HOOKS_SET = compiled_launch._hooks_set
+
 
 def kernel_body(x_ptr, n, scale=2.0, BLOCK: int = 16):  # the stand-in's signature, as a @triton.jit function's
     pass
@@ -48,6 +50,8 @@ class StandInKernel:
 @pytest.fixture
 def stand_in(monkeypatch):
     monkeypatch.setattr(compiled_launch, "_COMPILED", {})
+    monkeypatch.setattr(compiled_launch, "DIRECT_LAUNCHES", True)  # the stand-in keeps Triton 3.6's convention
+    monkeypatch.setattr(compiled_launch, "_hooks_set", lambda: False)
     device = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda index: 1234)
     monkeypatch.setattr(compiled_launch, "driver", SimpleNamespace(active=device))
     monkeypatch.setenv("ATTNZOO_CHECK_LAUNCHES", "0")
@@ -86,3 +90,20 @@ def test_the_check_fails_a_key_under_which_triton_would_find_another_kernel(stan
     with pytest.raises(AssertionError, match="does not fix its specialisation"):
         compiled_launch.launch(stand_in, (1,), "a", "x", 16)
     assert len(stand_in.compiled_launches) == 1
+
+
+def test_launches_go_through_triton_where_its_launch_convention_was_not_read(stand_in, monkeypatch):
+    monkeypatch.setattr(compiled_launch, "DIRECT_LAUNCHES", False)
+    for _ in range(3):
+        compiled_launch.launch(stand_in, (1,), "a", "x", 10)
+    assert len(stand_in.bound_launches) == 3 and not stand_in.compiled_launches
+
+
+def test_a_registered_launch_hook_sends_launches_through_triton(stand_in, monkeypatch):
+    if compiled_launch.knobs is None:
+        pytest.skip("Triton before 3.4 has no launch hook chains")
+    monkeypatch.setattr(compiled_launch, "_hooks_set", HOOKS_SET)
+    assert not compiled_launch._hooks_set()
+    hook = compiled_launch.knobs.runtime.launch_enter_hook
+    monkeypatch.setattr(hook, "calls", [lambda metadata: None])
+    assert compiled_launch._hooks_set()

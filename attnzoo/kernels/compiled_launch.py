@@ -22,10 +22,25 @@ import inspect
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from triton import knobs
+import triton
 from triton.runtime import driver
 
 from .._env import check_launches
+
+try:
+    from triton import knobs
+except ImportError:  # Triton before 3.4
+    knobs = None
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = text.split(".")[:2]
+    return int(major), int(minor)
+
+
+# Triton 3.6 and 3.9 hand the compiled kernel every bound argument, constexprs included; Triton 3.2 handed it the
+# others only.  Where the convention was not read (before 3.6), every launch goes through ``kernel[grid]``.
+DIRECT_LAUNCHES = knobs is not None and _version(triton.__version__) >= (3, 6)
 
 # (kernel, key, keyword arguments) -> (compiled kernel, the arguments' order); cleared when full.
 _COMPILED: dict[tuple, tuple[Any, Callable[..., tuple]]] = {}
@@ -36,7 +51,7 @@ _ORDERS: dict[Any, Callable[..., tuple]] = {}
 def launch(kernel: Any, grid: tuple[int, ...], key: Hashable | None, *args: Any, **kwargs: Any) -> None:
     """``kernel[grid](*args, **kwargs)``; with a ``key`` (not None), a later launch under the same key and keyword
     arguments goes straight to the compiled kernel that the first one found."""
-    if key is None or _hooks_set():
+    if key is None or not DIRECT_LAUNCHES or _hooks_set():
         kernel[grid](*args, **kwargs)
         return
     full_key = (kernel, key, *kwargs.items())
