@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 from attnzoo.kernels import compiled_launch
 
-HOOKS_SET = compiled_launch._hooks_set
+TRITON_PATH_NEEDED = compiled_launch._triton_path_needed
 
 
 def kernel_body(x_ptr, n, scale=2.0, BLOCK: int = 16):  # the stand-in's signature, as a @triton.jit function's
@@ -51,10 +51,10 @@ class StandInKernel:
 def stand_in(monkeypatch):
     monkeypatch.setattr(compiled_launch, "_COMPILED", {})
     monkeypatch.setattr(compiled_launch, "DIRECT_LAUNCHES", True)  # the stand-in keeps Triton 3.6's convention
-    monkeypatch.setattr(compiled_launch, "_hooks_set", lambda: False)
+    monkeypatch.setattr(compiled_launch, "_triton_path_needed", lambda kernel: False)
     device = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda index: 1234)
     monkeypatch.setattr(compiled_launch, "driver", SimpleNamespace(active=device))
-    monkeypatch.setenv("ATTNZOO_CHECK_LAUNCHES", "0")
+    monkeypatch.setattr(compiled_launch, "CHECK_LAUNCHES", False)
     return StandInKernel()
 
 
@@ -83,7 +83,7 @@ def test_a_launch_without_a_key_always_goes_through_triton(stand_in):
 
 
 def test_the_check_fails_a_key_under_which_triton_would_find_another_kernel(stand_in, monkeypatch):
-    monkeypatch.setenv("ATTNZOO_CHECK_LAUNCHES", "1")
+    monkeypatch.setattr(compiled_launch, "CHECK_LAUNCHES", True)
     compiled_launch.launch(stand_in, (1,), "a", "x", 10)
     compiled_launch.launch(stand_in, (1,), "a", "x", 10)  # Triton finds the same kernel: launched
     stand_in.found = SimpleNamespace(name="another specialisation")
@@ -102,8 +102,19 @@ def test_launches_go_through_triton_where_its_launch_convention_was_not_read(sta
 def test_a_registered_launch_hook_sends_launches_through_triton(stand_in, monkeypatch):
     if compiled_launch.knobs is None:
         pytest.skip("Triton before 3.4 has no launch hook chains")
-    monkeypatch.setattr(compiled_launch, "_hooks_set", HOOKS_SET)
-    assert not compiled_launch._hooks_set()
-    hook = compiled_launch.knobs.runtime.launch_enter_hook
-    monkeypatch.setattr(hook, "calls", [lambda metadata: None])
-    assert compiled_launch._hooks_set()
+    monkeypatch.setattr(compiled_launch, "_triton_path_needed", TRITON_PATH_NEEDED)
+    assert not compiled_launch._triton_path_needed(stand_in)
+    monkeypatch.setattr(compiled_launch.knobs.runtime.launch_enter_hook, "calls", [lambda metadata: None])
+    for _ in range(2):
+        compiled_launch.launch(stand_in, (1,), "a", "x", 10)
+    assert len(stand_in.bound_launches) == 2 and not stand_in.compiled_launches
+
+
+def test_a_pre_run_hook_sends_launches_through_triton(stand_in, monkeypatch):
+    if compiled_launch.knobs is None:
+        pytest.skip("Triton before 3.4")
+    monkeypatch.setattr(compiled_launch, "_triton_path_needed", TRITON_PATH_NEEDED)
+    stand_in.pre_run_hooks = [lambda *args, **kwargs: None]
+    for _ in range(2):
+        compiled_launch.launch(stand_in, (1,), "a", "x", 10)
+    assert len(stand_in.bound_launches) == 2 and not stand_in.compiled_launches
