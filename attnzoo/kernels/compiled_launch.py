@@ -28,7 +28,7 @@ from typing import Any
 import triton
 from triton.runtime import driver
 
-from .._env import check_launches
+from .._env import check_launches, triton_interpreter_active
 
 try:
     from triton import knobs
@@ -42,8 +42,11 @@ def _version(text: str) -> tuple[int, int]:
 
 
 # Triton 3.6 and 3.9 hand the compiled kernel every bound argument, constexprs included; Triton 3.2 handed it the
-# others only.  Where the convention was not read, every launch goes through ``kernel[grid]``.
-DIRECT_LAUNCHES = knobs is not None and (3, 6) <= _version(triton.__version__) < (3, 10)
+# others only.  Where the convention was not read, every launch goes through ``kernel[grid]``, as under the
+# interpreter (set before the kernels are defined), which compiles nothing and has no GPU driver to ask.
+DIRECT_LAUNCHES = (
+    knobs is not None and (3, 6) <= _version(triton.__version__) < (3, 10) and not triton_interpreter_active()
+)
 # Read once: the tests set ATTNZOO_CHECK_LAUNCHES before importing attnzoo.
 CHECK_LAUNCHES = check_launches()
 
