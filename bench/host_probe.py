@@ -15,22 +15,15 @@ import torch
 import torch.nn.functional as F
 
 import attnzoo
+from attnzoo.bench import timing
 from attnzoo.bench.timing import median_ms
 from attnzoo.kernels import forward_gluon, gluon_hopper, launch
 from attnzoo.kernels.forward import attention_forward
 from attnzoo.validation import validate_forward
 
 
-def host_us(fn, n=300, sync=True):
-    ts = []
-    for _ in range(n):
-        if sync:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    torch.cuda.synchronize()
-    return statistics.median(ts) * 1e6
+def host_us(fn) -> float:
+    return timing.host_us(fn, torch.device("cuda"), 300)
 
 
 def queued_us(fn, n=50, rounds=5):

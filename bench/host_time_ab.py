@@ -12,15 +12,13 @@ processes, the trees alternating:
     done
 """
 
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 import attnzoo
-from attnzoo.bench.timing import median_ms
+from attnzoo.bench.timing import host_us, median_ms
 
 CUDNN = torch.nn.attention.SDPBackend.CUDNN_ATTENTION
 GRID_FORWARDS = [  # (dtype, D, causal): the N = 1k forwards of the grids
@@ -31,17 +29,6 @@ GRID_FORWARDS = [  # (dtype, D, causal): the N = 1k forwards of the grids
     (torch.bfloat16, 128, False),
     (torch.float16, 128, True),
 ]
-
-
-def host_us(fn, calls: int = 200) -> float:
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
 
 
 def grid_forward_ratio(backend, dtype: torch.dtype, D: int, causal: bool, device: torch.device) -> str:
@@ -69,13 +56,13 @@ def main(label: str) -> None:
         atomic.backward(do, q, k, v, o, lse, causal=True)
         step()
     host = {
-        "fwd": host_us(lambda: two_kernel.forward(q, k, v, causal=True)),
-        "bwd": host_us(lambda: two_kernel.backward(do, q, k, v, o, lse, causal=True)),
-        "atomic_bwd": host_us(lambda: atomic.backward(do, q, k, v, o, lse, causal=True)),
-        "step": host_us(step, 100),
+        "fwd": host_us(lambda: two_kernel.forward(q, k, v, causal=True), device),
+        "bwd": host_us(lambda: two_kernel.backward(do, q, k, v, o, lse, causal=True), device),
+        "atomic_bwd": host_us(lambda: atomic.backward(do, q, k, v, o, lse, causal=True), device),
+        "step": host_us(step, device, 100),
     }
     with torch.nn.attention.sdpa_kernel(CUDNN):
-        host["cudnn_fwd"] = host_us(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        host["cudnn_fwd"] = host_us(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device)
     ratios = [grid_forward_ratio(two_kernel, dtype, D, causal, device) for dtype, D, causal in GRID_FORWARDS]
     print(label, " ".join(f"{name}={us:.1f}" for name, us in host.items()), "|", " ".join(ratios), flush=True)
 

@@ -77,6 +77,12 @@ def test_warm_up_runs_at_least_its_calls_and_its_time_before_timing():
     assert len(calls) == 5
 
 
+def test_host_time_is_the_median_of_single_calls():
+    """``timing.host_us``: each of ``calls`` calls timed alone, their median in microseconds."""
+    durations = iter([0.001, 0.003, 0.002])
+    assert 1500 < timing.host_us(lambda: time.sleep(next(durations)), torch.device("cpu"), calls=3) < 5000
+
+
 def test_csv_has_the_issue_columns_and_one_row_per_case(tiny_csv):
     with open(tiny_csv) as f:
         assert f.readline().strip().split(",") == ISSUE_COLUMNS == COLUMNS

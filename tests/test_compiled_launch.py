@@ -99,22 +99,17 @@ def test_launches_go_through_triton_where_its_launch_convention_was_not_read(sta
     assert len(stand_in.bound_launches) == 3 and not stand_in.compiled_launches
 
 
-def test_a_registered_launch_hook_sends_launches_through_triton(stand_in, monkeypatch):
+@pytest.mark.parametrize("hook", ["launch hook", "pre-run hook"])
+def test_a_registered_hook_sends_launches_through_triton(stand_in, monkeypatch, hook):
+    """A launch hook (a profiler) takes metadata that only Triton's path builds; a pre-run hook runs only there."""
     if compiled_launch.knobs is None:
         pytest.skip("Triton before 3.4 has no launch hook chains")
     monkeypatch.setattr(compiled_launch, "_triton_path_needed", TRITON_PATH_NEEDED)
     assert not compiled_launch._triton_path_needed(stand_in)
-    monkeypatch.setattr(compiled_launch.knobs.runtime.launch_enter_hook, "calls", [lambda metadata: None])
-    for _ in range(2):
-        compiled_launch.launch(stand_in, (1,), "a", "x", 10)
-    assert len(stand_in.bound_launches) == 2 and not stand_in.compiled_launches
-
-
-def test_a_pre_run_hook_sends_launches_through_triton(stand_in, monkeypatch):
-    if compiled_launch.knobs is None:
-        pytest.skip("Triton before 3.4")
-    monkeypatch.setattr(compiled_launch, "_triton_path_needed", TRITON_PATH_NEEDED)
-    stand_in.pre_run_hooks = [lambda *args, **kwargs: None]
+    if hook == "launch hook":
+        monkeypatch.setattr(compiled_launch.knobs.runtime.launch_enter_hook, "calls", [lambda metadata: None])
+    else:
+        stand_in.pre_run_hooks = [lambda *args, **kwargs: None]
     for _ in range(2):
         compiled_launch.launch(stand_in, (1,), "a", "x", 10)
     assert len(stand_in.bound_launches) == 2 and not stand_in.compiled_launches

@@ -39,6 +39,19 @@ def wall_seconds(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def host_us(fn: Callable[[], Any], device: torch.device, calls: int = 200) -> float:
+    """Median host microseconds of one call of ``fn``, the device synchronised before each (so that no queue of
+    earlier work holds the call back): the time the host spends issuing it."""
+    times = []
+    for _ in range(calls):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    synchronize(device)
+    return statistics.median(times) * 1e6
+
+
 def median_ms(fn: Callable[[], Any], device: torch.device, warmup: int, repeat: int, warmup_ms: float = 0.0) -> float:
     """Median milliseconds of ``repeat`` calls of ``fn`` after untimed calls: at least ``warmup`` of them, and more
     until they have run for ``warmup_ms``.

@@ -1019,9 +1019,12 @@ def dq_staging_order(dq_acc: torch.Tensor, nq: int, dtype: torch.dtype) -> torch
     dq = torch.empty((B, H, nq, D), dtype=dtype, device=dq_acc.device)
     block_rows = 32
     row_blocks = triton.cdiv(nq, block_rows)
-    _dq_in_row_order_kernel[(B * H * row_blocks,)](
-        dq_acc, dq, nq, padded, row_blocks, D, block_rows, triton.next_power_of_2(D)
-    )
+    # Both tensors are fresh and contiguous: the integers and the output dtype fix the specialisation.
+    launch_key = ("dq in row order", dtype, nq, padded, row_blocks, D)
+    compiled_launch.launch(
+        _dq_in_row_order_kernel, (B * H * row_blocks,), launch_key,
+        dq_acc, dq, nq, padded, row_blocks, D, block_rows, triton.next_power_of_2(D),
+    )  # fmt: skip
     return dq
 
 
