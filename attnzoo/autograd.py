@@ -1,6 +1,6 @@
 """``attnzoo.attention``: exact attention with autograd, as PyTorch custom operators.
 
-Every call reaches the backends through two operators of the ``attnzoo`` namespace:
+Traced and compiled calls reach the backends through two operators of the ``attnzoo`` namespace:
 
 - ``attnzoo::attention_forward(q, k, v, seqlens_k, causal, scale, backend) -> (o, lse)``
 - ``attnzoo::attention_backward(do, q, k, v, o, lse, seqlens_k, causal, scale, backend) -> (dq, dk, dv)``
@@ -10,6 +10,10 @@ autograd formula that calls the backward operator.  ``torch.compile`` therefore 
 node: Dynamo never traces into the Triton launch code (whose pointer arithmetic and tuning it cannot follow), Inductor
 never recompiles the kernels, and the graph has no break.  Under CUDA graph capture the operators launch the kernels
 as in eager mode.
+
+Plain eager calls (real tensors, no dispatch or function mode, no functorch transform) make the same two backend
+calls through a ``torch.autograd.Function`` instead (``_EagerAttention``): the operators' dispatch and autograd
+wrappers cost more host time than the two calls themselves at small shapes.
 
 The first call of a custom operator imports ``torch._dynamo`` (its dispatch is wrapped in ``torch._disable_dynamo``),
 3-4 s of imports on the H100 machine; it is imported with this module instead, so that the cost is paid once at
@@ -26,6 +30,8 @@ from collections.abc import Callable
 
 import torch
 import torch._dynamo  # imported here, not by the first call: see above
+from torch._C._functorch import is_functorch_wrapped_tensor
+from torch.autograd.function import once_differentiable
 
 from .backend import Backend, get, names
 from .validation import Problem, lse_dtype, validate_forward
@@ -223,7 +229,46 @@ def attention(
     if seqlens_k is not None and seqlens_k.dtype != torch.int32:
         seqlens_k = seqlens_k.to(torch.int32)
     left, right = (None, None) if window is None else window
-    o, _lse = attention_forward_op(
-        q, k, v, seqlens_k, bool(causal), float(default_scale(q, scale)), left, right, float(softcap), alibi_slopes, key
-    )
+    arguments = (seqlens_k, bool(causal), float(default_scale(q, scale)), left, right, float(softcap), alibi_slopes)
+    if not torch.compiler.is_compiling() and _plain_eager(q, k, v, seqlens_k, alibi_slopes):
+        problem = _problem(q, k, v, *arguments)
+        backend_instance = _backend_of(key, problem)
+        if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+            return backend_instance.forward_validated(q, k, v, problem)[0]  # nothing to differentiate: no graph node
+        o, _lse = _EagerAttention.apply(q, k, v, seqlens_k, alibi_slopes, problem, backend_instance)
+        return o
+    o, _lse = attention_forward_op(q, k, v, *arguments, key)
     return o
+
+
+def _plain_eager(*tensors: Tensor | None) -> bool:
+    """Whether a call may take ``_EagerAttention``: no dispatch or function mode is active (fake tensors' mode, a FLOP
+    counter) and every tensor is a plain one (not a subclass such as a fake tensor, nor wrapped by a functorch
+    transform); the operators serve the others, whose fake implementations and schemas these need."""
+    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
+        return False
+    return all(t is None or (type(t) is Tensor and not is_functorch_wrapped_tensor(t)) for t in tensors)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """``attention()`` in plain eager mode: the operators' two backend calls, without their dispatch and autograd
+    wrappers, which took 0.73 ms of a 1.54 ms training step's host time on the H100 machine (tiny shapes,
+    ``bench/results/h100_step_host_gaps.log``).  Compiled graphs, fake tensors and the rest of ``_plain_eager``'s
+    exceptions go through the operators, which call the backend the same way."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, seqlens_k, alibi_slopes, problem: Problem, backend: Backend):
+        o, lse = backend.forward_validated(q, k, v, problem)
+        # seqlens_k and the slopes are saved as the operator saves them: modified in place before the backward, they
+        # fail autograd's version check instead of changing the gradients.
+        ctx.save_for_backward(q, k, v, o, lse, seqlens_k, alibi_slopes)
+        ctx.problem, ctx.backend = problem, backend
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse, _seqlens_k, _alibi_slopes = ctx.saved_tensors
+        dq, dk, dv = ctx.backend.backward_validated(do, q, k, v, o, lse, ctx.problem)
+        return dq, dk, dv, None, None, None, None

@@ -1,5 +1,6 @@
 """SPEC.md, "Every public call works inside torch.compile(fullgraph=True) with no graph break": the custom operators
-on the CPU (the GPU half, with the Triton backends, CUDA graphs and no host synchronisation, is in test_gpu_compile.py).
+on the CPU (the GPU half, with the Triton backends, CUDA graphs and no host synchronisation, is in test_gpu_compile.py),
+and the autograd Function that plain eager calls take instead of them.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 import attnzoo
+from attnzoo import autograd as autograd_module
 from attnzoo.autograd import attention_backward_op, attention_forward_op
 
 
@@ -96,3 +98,76 @@ def test_a_backend_instance_with_options_runs_through_the_operator():
     expected = _value_and_grads(lambda a, b, c, s: attnzoo.attention(a, b, c, causal=True), q, k, v, None)
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, atol=2e-6, rtol=2e-6)
+
+
+class _PassThrough(torch.overrides.TorchFunctionMode):
+    """A function mode that changes nothing: calls under it must take the operators."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("with_modifiers", [False, True], ids=["plain", "modifiers"])
+def test_plain_eager_calls_skip_the_operators_and_agree_with_them(monkeypatch, with_modifiers):
+    """Plain eager calls take ``_EagerAttention``, not the operators; under a function mode the operators serve, with
+    bitwise the same outputs and gradients."""
+    operator_calls = []
+    real_operator = autograd_module.attention_forward_op
+    monkeypatch.setattr(
+        autograd_module, "attention_forward_op", lambda *args: operator_calls.append(1) or real_operator(*args)
+    )
+    modifiers = (
+        dict(window=(9, 0), softcap=2.5, alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 1.0])) if with_modifiers else {}
+    )
+
+    def attend(q, k, v, seqlens_k):
+        return attnzoo.attention(q, k, v, causal=True, seqlens_k=seqlens_k, backend="torch_fa2", **modifiers)
+
+    q, k, v = _inputs(seed=7)
+    lens = torch.tensor([40, 17], dtype=torch.int32)
+    eager = _value_and_grads(attend, q, k, v, lens)
+    assert not operator_calls
+    with _PassThrough():
+        through_operators = _value_and_grads(attend, q, k, v, lens)
+    assert operator_calls
+    for a, b in zip(eager, through_operators, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_calls_without_gradients_build_no_graph_node():
+    q, k, v = _inputs(seed=9)
+    o = attnzoo.attention(q.detach(), k.detach(), v.detach(), causal=True, backend="torch_fa2")
+    with torch.no_grad():
+        o_no_grad = attnzoo.attention(q, k, v, causal=True, backend="torch_fa2")
+    o_graph = attnzoo.attention(q, k, v, causal=True, backend="torch_fa2")
+    assert o.grad_fn is None and o_no_grad.grad_fn is None and o_graph.grad_fn is not None
+    assert torch.equal(o, o_no_grad) and torch.equal(o, o_graph.detach())
+
+
+def test_fake_tensors_modes_and_functorch_transforms_take_the_operators():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = _inputs(requires_grad=False)
+    assert autograd_module._plain_eager(q, k, v, None, None)
+    assert not autograd_module._plain_eager(q, k, torch.nn.Parameter(v), None, None)
+    with _PassThrough():
+        assert not autograd_module._plain_eager(q, k, v, None, None)
+    with FakeTensorMode() as mode:
+        assert not autograd_module._plain_eager(q, k, v, None, None)
+        fake_o = attnzoo.attention(*(mode.from_tensor(x) for x in (q, k, v)), causal=True, backend="torch_fa2")
+    assert fake_o.shape == q.shape
+
+    def inside_grad(x):
+        assert not autograd_module._plain_eager(x, k, v, None, None)
+        return x.sum()
+
+    torch.func.grad(inside_grad)(q)
+
+
+def test_seqlens_modified_in_place_before_the_backward_fail_autograds_version_check():
+    q, k, v = _inputs(seed=8)
+    lens = torch.tensor([40, 17], dtype=torch.int32)
+    out = attnzoo.attention(q, k, v, causal=True, seqlens_k=lens, backend="torch_fa2")
+    lens.add_(0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
