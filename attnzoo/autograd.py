@@ -12,8 +12,9 @@ never recompiles the kernels, and the graph has no break.  Under CUDA graph capt
 as in eager mode.
 
 Plain eager calls (real tensors, no dispatch or function mode, no functorch transform) make the same two backend
-calls through a ``torch.autograd.Function`` instead (``_EagerAttention``): the operators' dispatch and autograd
-wrappers cost more host time than the two calls themselves at small shapes.
+calls through a ``torch.autograd.Function`` instead (``_EagerAttention``): at small shapes the operators' dispatch and
+autograd wrappers cost nearly as much host time as the two calls themselves.  Eager calls therefore reach nothing
+keyed on the operators (a kernel registered for ``attnzoo::attention_forward``, the profiler's operator events).
 
 The first call of a custom operator imports ``torch._dynamo`` (its dispatch is wrapped in ``torch._disable_dynamo``),
 3-4 s of imports on the H100 machine; it is imported with this module instead, so that the cost is paid once at
@@ -31,7 +32,6 @@ from collections.abc import Callable
 import torch
 import torch._dynamo  # imported here, not by the first call: see above
 from torch._C._functorch import is_functorch_wrapped_tensor
-from torch.autograd.function import once_differentiable
 
 from .backend import Backend, get, names
 from .validation import Problem, lse_dtype, validate_forward
@@ -233,19 +233,23 @@ def attention(
     if not torch.compiler.is_compiling() and _plain_eager(q, k, v, seqlens_k, alibi_slopes):
         problem = _problem(q, k, v, *arguments)
         backend_instance = _backend_of(key, problem)
-        if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        inputs = (q, k, v) if alibi_slopes is None else (q, k, v, alibi_slopes)
+        if not (torch.is_grad_enabled() and any(x.requires_grad for x in inputs)):
             return backend_instance.forward_validated(q, k, v, problem)[0]  # nothing to differentiate: no graph node
-        o, _lse = _EagerAttention.apply(q, k, v, seqlens_k, alibi_slopes, problem, backend_instance)
+        o, _lse = _EagerAttention.apply(q, k, v, seqlens_k, alibi_slopes, problem, backend_instance, arguments, key)
         return o
     o, _lse = attention_forward_op(q, k, v, *arguments, key)
     return o
 
 
 def _plain_eager(*tensors: Tensor | None) -> bool:
-    """Whether a call may take ``_EagerAttention``: no dispatch or function mode is active (fake tensors' mode, a FLOP
-    counter) and every tensor is a plain one (not a subclass such as a fake tensor, nor wrapped by a functorch
-    transform); the operators serve the others, whose fake implementations and schemas these need."""
+    """Whether a call may take ``_EagerAttention``: no dispatch or function mode (fake tensors' mode, a FLOP counter),
+    functorch transform or ``torch.jit.trace`` is active, and every tensor is a plain one (not a subclass such as a
+    fake tensor or a DTensor, nor wrapped by a functorch transform); the operators serve the others, whose fake
+    implementations, schemas and single graph node these need."""
     if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
+        return False
+    if torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state() is not None:
         return False
     return all(t is None or (type(t) is Tensor and not is_functorch_wrapped_tensor(t)) for t in tensors)
 
@@ -257,18 +261,22 @@ class _EagerAttention(torch.autograd.Function):
     exceptions go through the operators, which call the backend the same way."""
 
     @staticmethod
-    def forward(ctx, q, k, v, seqlens_k, alibi_slopes, problem: Problem, backend: Backend):
+    def forward(ctx, q, k, v, seqlens_k, alibi_slopes, problem: Problem, backend: Backend, arguments: tuple, key: str):
         o, lse = backend.forward_validated(q, k, v, problem)
         # seqlens_k and the slopes are saved as the operator saves them: modified in place before the backward, they
         # fail autograd's version check instead of changing the gradients.
         ctx.save_for_backward(q, k, v, o, lse, seqlens_k, alibi_slopes)
-        ctx.problem, ctx.backend = problem, backend
+        ctx.problem, ctx.backend, ctx.arguments, ctx.key = problem, backend, arguments, key
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse, _seqlens_k, _alibi_slopes = ctx.saved_tensors
-        dq, dk, dv = ctx.backend.backward_validated(do, q, k, v, o, lse, ctx.problem)
-        return dq, dk, dv, None, None, None, None
+        q, k, v, o, lse, seqlens_k, alibi_slopes = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the backward operator, which has no derivative and says so
+            dq, dk, dv = attention_backward_op(
+                do, q, k, v, o, lse, seqlens_k, *ctx.arguments[1:6], alibi_slopes, ctx.key
+            )  # fmt: skip
+        else:
+            dq, dk, dv = ctx.backend.backward_validated(do, q, k, v, o, lse, ctx.problem)
+        return dq, dk, dv, None, None, None, None, None, None

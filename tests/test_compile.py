@@ -5,6 +5,8 @@ and the autograd Function that plain eager calls take instead of them.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -134,14 +136,68 @@ def test_plain_eager_calls_skip_the_operators_and_agree_with_them(monkeypatch, w
         assert torch.equal(a, b)
 
 
-def test_calls_without_gradients_build_no_graph_node():
+def _count_paths(monkeypatch) -> dict[str, int]:
+    """Counts of the calls that take the autograd Function and the forward operator."""
+    counts = {"function": 0, "operator": 0}
+    real_apply, real_operator = autograd_module._EagerAttention.apply, autograd_module.attention_forward_op
+
+    def apply(*args):
+        counts["function"] += 1
+        return real_apply(*args)
+
+    def operator(*args):
+        counts["operator"] += 1
+        return real_operator(*args)
+
+    monkeypatch.setattr(autograd_module._EagerAttention, "apply", apply)
+    monkeypatch.setattr(autograd_module, "attention_forward_op", operator)
+    return counts
+
+
+def test_calls_without_gradients_call_the_backend_directly(monkeypatch):
     q, k, v = _inputs(seed=9)
+    counts = _count_paths(monkeypatch)
     o = attnzoo.attention(q.detach(), k.detach(), v.detach(), causal=True, backend="torch_fa2")
     with torch.no_grad():
         o_no_grad = attnzoo.attention(q, k, v, causal=True, backend="torch_fa2")
+    assert counts == {"function": 0, "operator": 0}
     o_graph = attnzoo.attention(q, k, v, causal=True, backend="torch_fa2")
+    assert counts == {"function": 1, "operator": 0}
     assert o.grad_fn is None and o_no_grad.grad_fn is None and o_graph.grad_fn is not None
     assert torch.equal(o, o_no_grad) and torch.equal(o, o_graph.detach())
+
+
+def test_alibi_slopes_alone_requiring_grad_get_none_on_both_paths(monkeypatch):
+    q, k, v = _inputs(seed=10, requires_grad=False)
+    for mode in (contextlib.nullcontext(), _PassThrough()):
+        slopes = torch.tensor([0.5, 0.25, 0.125, 1.0], requires_grad=True)
+        with mode:
+            o = attnzoo.attention(q, k, v, causal=True, alibi_slopes=slopes, backend="torch_fa2")
+        o.sum().backward()
+        assert slopes.grad is None
+
+
+def test_a_second_derivative_fails_on_both_paths():
+    """The backward has no derivative of its own: asking for one raises rather than dropping the term."""
+    for mode in (contextlib.nullcontext(), _PassThrough()):
+        q, k, v = _inputs(seed=11)
+        with mode:
+            o = attnzoo.attention(q, k, v, causal=True, backend="torch_fa2")
+            (dq,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
+            assert dq.requires_grad  # dq is part of the graph; its derivative is what is missing
+            with pytest.raises(RuntimeError, match="autograd"):
+                dq.sum().backward()
+
+
+def test_traced_and_transformed_calls_take_the_operator(monkeypatch):
+    q, k, v = _inputs(seed=12, requires_grad=False)
+    traced = torch.jit.trace(lambda a, b, c: attnzoo.attention(a, b, c, backend="torch_fa2"), (q, k, v))
+    assert "attnzoo::attention_forward" in str(traced.graph)
+    counts = _count_paths(monkeypatch)
+    q_grad = q.clone().requires_grad_()
+    scale = torch.tensor(2.0)
+    torch.func.grad(lambda x: attnzoo.attention(q_grad, k, v, backend="torch_fa2").sum() * x)(scale)
+    assert counts == {"function": 0, "operator": 1}
 
 
 def test_fake_tensors_modes_and_functorch_transforms_take_the_operators():
