@@ -11,10 +11,11 @@ node: Dynamo never traces into the Triton launch code (whose pointer arithmetic 
 never recompiles the kernels, and the graph has no break.  Under CUDA graph capture the operators launch the kernels
 as in eager mode.
 
-Plain eager calls (real tensors, no dispatch or function mode, no functorch transform) make the same two backend
-calls through a ``torch.autograd.Function`` instead (``_EagerAttention``): at small shapes the operators' dispatch and
-autograd wrappers cost nearly as much host time as the two calls themselves.  Eager calls therefore reach nothing
-keyed on the operators (a kernel registered for ``attnzoo::attention_forward``, the profiler's operator events).
+Plain eager calls (real tensors; no dispatch or function mode, functorch transform or jit trace) make the same two
+backend calls through a ``torch.autograd.Function`` instead (``_EagerAttention``): at small shapes the operators'
+dispatch and autograd wrappers cost nearly as much host time as the two calls themselves.  Eager calls therefore
+reach nothing keyed on the operators (a kernel registered for ``attnzoo::attention_forward``, the profiler's operator
+events).
 
 The first call of a custom operator imports ``torch._dynamo`` (its dispatch is wrapped in ``torch._disable_dynamo``),
 3-4 s of imports on the H100 machine; it is imported with this module instead, so that the cost is paid once at

@@ -613,5 +613,6 @@ def test_repeated_calls_reach_the_compiled_kernels_directly(name, D, monkeypatch
         outputs = _run(backend, q, k, v, do, True, None)
         _small_check(outputs, q, k, v, do, True, None)
         compiled_after.append(len(compiled_launch._COMPILED))
-    assert compiled_after[0] > 0  # the launches were keyed
-    assert compiled_after[-2:] == compiled_after[3:4] * 2  # the layouts seen before reused their kernels
+    if compiled_launch.DIRECT_LAUNCHES:  # (Triton 3.6 to 3.9; other versions bind every launch)
+        assert compiled_after[0] > 0  # the launches were keyed
+        assert compiled_after[-2:] == compiled_after[3:4] * 2  # the layouts seen before reused their kernels
