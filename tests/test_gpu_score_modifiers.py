@@ -21,6 +21,7 @@ from triton.runtime.errors import OutOfResources
 
 import attnzoo
 from attnzoo import debug, oracle
+from attnzoo.kernels import forward_gluon
 from attnzoo.kernels.forward_gluon import attention_forward_hopper
 from attnzoo.kernels.gluon_hopper import gluon_unavailable_reason
 from attnzoo.kernels.launch import KernelVariant, prepare
@@ -84,7 +85,7 @@ CASES = {
     "window-both-sides-D-256": (1, 2, 1, 333, 400, 256, 256, False, None, (50, 70), 0.0, None),
     "Dv-128-D-64": (2, 2, 1, 200, 230, 64, 128, True, [230, 31], (50, 0), 0.0, None),
     "everything": (2, 4, 2, 280, 310, 96, 80, True, [310, 120], (70, -3), 15.0, "batch-heads"),
-    # No seqlens_k: the forward runs the Gluon kernel (half of its exp2s on the FMA units with a soft cap) and the
+    # No seqlens_k: the forward runs the Gluon kernel (in bfloat16 with the softmax's max fixed at the cap) and the
     # backward recomputes P with the Triton kernels' tanh from that forward's lse.
     "softcap-gluon-forward": (2, 4, 2, 384, 384, 128, 128, True, None, None, 30.0, None),
     "small-softcap-gluon-forward": (1, 4, 4, 256, 300, 64, 64, False, None, (100, 20), 2.0, None),
@@ -326,6 +327,7 @@ GLUON_MODIFIER_CASES = [
     (257, 390, 64, (100, 20), 0.0, "heads"),
     (256, 256, 128, None, 30.0, None),
     (200, 333, 64, (70, 0), 5.0, "batch-heads"),
+    (190, 260, 128, (90, 10), 40.0, None),  # above FIXED_MAX_CAP_OUT: bfloat16 keeps the running max
 ]
 
 
@@ -351,11 +353,34 @@ def test_gluon_forward_applies_each_modifier_it_implements(cfg, dtype):
 
 
 @pytest.mark.parametrize("cfg", [c for c in CANDIDATES["forward"] if c.gluon], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_forward_with_the_max_fixed_at_the_cap_keeps_rows_whose_scores_all_sit_at_minus_the_cap(cfg, causal):
+    """bfloat16 with the soft cap takes the softmax's max as the cap itself (``_capped_softmax_step``), so a row
+    whose every capped score is near -c has p near e^(-2c) = 2^-86.6 at c = 30 throughout: o and lse still within
+    SPEC.md's bound of the float64 oracle, and rows with a key near +c beside them (p near 1)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels need an sm_90 GPU")
+    q, k, v, _, _, _ = _make(2, 4, 2, 320, 300, 128, 128, torch.bfloat16, seed=86)
+    # A shared direction of 32 columns: q . k * scale ~ -102 for every pair of the first 160 rows (capped: -29.9),
+    # ~ +102 for the rest, against a random part of about +-1.
+    q[:, :, :160, :32], q[:, :, 160:, :32], k[..., :32] = 6.0, -6.0, -6.0
+    call = prepare(q, k, v, validate_forward(q, k, v, causal=causal, softcap=30.0))
+    assert forward_gluon.softcap_form(call.modifiers, q.dtype) == forward_gluon.SOFTCAP_FIXED_MAX
+    o = torch.full((2, 4, 320, 128), float("nan"), device=CUDA, dtype=q.dtype)
+    lse = torch.full((2, 4, 320), float("nan"), device=CUDA)
+    _run_gluon_forward(cfg, call, o, lse, causal)
+    assert float(lse[:, :, :160].max()) < -20.0, "the first rows' scores must all sit near -c for this to test"
+    inputs = AttentionInputs(q, k, v, None, None, None)
+    checks = oracle_for(inputs, causal, softcap=30.0, device=CUDA).check({"o": o, "lse": lse})
+    for name, check in checks.items():
+        assert check.ok, f"{cfg} causal={causal}: {name}: {check.message}"
+
+
+@pytest.mark.parametrize("cfg", [c for c in CANDIDATES["forward"] if c.gluon], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_gluon_forward_with_a_soft_cap_keeps_a_nan_in_k_on_the_rows_that_see_it(cfg, dtype):
-    """SPEC.md: a NaN in k reaches every row that sees its key as NaN (o and lse), and no other row.  With the soft
-    cap, the Gluon forward takes the exp2 of every other key on the FMA units: a NaN at an even and at an odd key
-    (one in each half) must both come through."""
+    """SPEC.md: a NaN in k reaches every row that sees its key as NaN (o and lse), and no other row, under the soft
+    cap's running max (float16) and its fixed max (bfloat16), at an even and at an odd key."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels need an sm_90 GPU")
     for key in (36, 37):

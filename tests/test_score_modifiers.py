@@ -21,6 +21,8 @@ import attnzoo
 from attnzoo import oracle
 from attnzoo.backend import FEATURE_NAMES, SCORE_MODIFIER_FEATURES
 from attnzoo.backends._tiles import key_band, tile_is_empty, tile_visibility
+from attnzoo.kernels.forward_gluon import SOFTCAP_FIXED_MAX, SOFTCAP_RUNNING_MAX, softcap_form
+from attnzoo.kernels.launch import prepare
 from attnzoo.validation import validate_forward
 
 F64 = torch.float64
@@ -164,6 +166,26 @@ def test_softcap_bounds_every_score(name):
     assert (lse - math.log(23)).abs().max() <= softcap + 1e-5
     _, uncapped = attnzoo.get(name).forward(q, k, k, scale=40.0)
     assert (uncapped - math.log(23)).abs().max() > 10 * softcap, "the raw scores must be large for this to test"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "softcap", "alibi", "form"),
+    [
+        (BF16, 30.0, False, SOFTCAP_FIXED_MAX),
+        (BF16, 33.2, False, SOFTCAP_FIXED_MAX),
+        (BF16, 33.4, False, SOFTCAP_RUNNING_MAX),  # 2^(-2 c log2(e)) would pass 2^-96
+        (BF16, 5.0, True, SOFTCAP_RUNNING_MAX),  # ALiBi's terms can lift a score above the cap
+        (F16, 30.0, False, SOFTCAP_RUNNING_MAX),  # float16's P holds nothing below 2^-24
+        (BF16, 0.0, False, 0),
+    ],
+)
+def test_the_gluon_forward_fixes_the_max_at_the_cap_only_where_p_holds_every_score(dtype, softcap, alibi, form):
+    """The Gluon forward's soft cap takes ``c`` as every row's softmax max (no running max) only where a P of
+    ``exp(-2c)`` is still a normal number of P's dtype, with room below it for the products P V."""
+    q = torch.randn(1, 2, 8, 64, dtype=dtype)
+    slopes = torch.tensor([0.5, 0.25]) if alibi else None
+    call = prepare(q, q, q, validate_forward(q, q, q, softcap=softcap, alibi_slopes=slopes))
+    assert softcap_form(call.modifiers, dtype) == form
 
 
 @pytest.mark.parametrize("name", [n for n in REFERENCE_BACKENDS if n in attnzoo.names()])

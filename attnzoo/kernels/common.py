@@ -496,6 +496,12 @@ def tanh_float32(x):
 
 
 @triton.jit
+def tanh_approx(x):
+    """The hardware's ``tanh.approx.f32`` (one MUFU.TANH, relative error ~2^-11)."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def softcap_scores(s2, cap_in, cap_out, SOFTCAP: tl.constexpr):
     """The soft cap on base-2 scores ``s2 = s * log2(e)`` -> ``(capped, dcap)``: ``capped = c * tanh(s / c) * log2(e)``
     (the capped score in base-2 units) and ``dcap = 1 - tanh(s / c)^2``, the cap's derivative, which multiplies dS in
@@ -508,7 +514,7 @@ def softcap_scores(s2, cap_in, cap_out, SOFTCAP: tl.constexpr):
     """
     x = s2 * cap_in
     if SOFTCAP == 2:
-        tanh = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+        tanh = tanh_approx(x)
     else:
         tanh = tanh_float32(x)
     return cap_out * tanh, 1.0 - tanh * tanh

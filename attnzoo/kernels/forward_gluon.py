@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import compiled_launch
-from .common import LOG2E, fp8_factors, kv_loop_bounds, q_block_opening, q_block_program, softcap_scores
+from .common import LOG2E, fp8_factors, kv_loop_bounds, q_block_opening, q_block_program, softcap_scores, tanh_approx
 from .gluon_hopper import (
     accumulator_layout,
     check_warpgroup_rows,
@@ -93,7 +93,15 @@ KERNEL_WARPS = 4
 if TYPE_CHECKING:
     from .launch import ScoreModifiers
 
+# The kernel's SOFTCAP: 0 none; 1 the soft cap under the online softmax's running max; 2 the soft cap with the max
+# fixed at the cap (``_capped_softmax_step``), which the host chooses (``softcap_form``).
+SOFTCAP_RUNNING_MAX, SOFTCAP_FIXED_MAX = 1, 2
+# The largest ``cap_out = c * log2(e)`` that takes the fixed max: the smallest p, ``2^(-2 cap_out) >= 2^-96``, leaves
+# 30 of float32's binades (bfloat16 has its exponent range) for the products P V below it (c <= 33.3).
+FIXED_MAX_CAP_OUT = 48.0
+
 if gluon is not None:
+    _SOFTCAP_FIXED_MAX = gl.constexpr(SOFTCAP_FIXED_MAX)  # as the kernels read a global
 
     @gluon.jit
     def mask_scores(
@@ -165,6 +173,22 @@ if gluon is not None:
         else:
             p_op = p.to(DTYPE)
         return p_op, alpha, m_new, l_i
+
+    @gluon.jit
+    def _capped_softmax_step(t, l_i, cap_out, DTYPE: gl.constexpr, p_layout: gl.constexpr):
+        """The softmax step of soft-capped scores with the max fixed at the cap (SOFTCAP == SOFTCAP_FIXED_MAX), from
+        ``t = tanh(s / c)`` ``[BLOCK_M, BLOCK_N]`` (``-inf`` = hidden) -> ``(P, l)``, P laid out as ``P V``'s register
+        operand.
+
+        Every base-2 score ``cap_out * t`` is at most ``cap_out``, so with that as the max ``p = exp2(cap_out * t -
+        cap_out) <= 1`` for every tile: no max reduction, and no rescale of O or l (``alpha = 1``).  P then spans
+        ``[2^(-2 cap_out), 1]``, which a bfloat16 P holds as normal numbers (float32's exponent range); the host
+        takes this form only there (``softcap_form``).  Each score costs one FFMA and one exp2, as in
+        ``_softmax_step``.
+        """
+        p = gl.exp2(t * cap_out - cap_out)
+        l_i = l_i + gl.sum(p, 1)
+        return gl.convert_layout(p.to(DTYPE), p_layout), l_i
 
     @gluon.jit
     def _stage_p(p, p_smem, slot, DESCALE: gl.constexpr):
@@ -266,8 +290,10 @@ if gluon is not None:
         the Q rows arrive in phase ``q_phase`` of their barrier.  ``o_factor`` multiplies o (FP8's v factor, else 1).
         DESCALE (FP8 inputs): q, k, v and P in e4m3, o in bfloat16, V slots keys-contiguous (``_wait_v``), and
         ``qk_scale`` (times the q and k factors) of either sign (``_signed_scores``).
-        ``modifiers = (window_left, window_right, cap_in, cap_out, slope2)``, each read only under its flag; with the
-        soft cap or ALiBi the scores are scaled and modified before the mask, and the softmax takes them as they are.
+        ``modifiers = (window_left, window_right, cap_in, cap_out, slope2)``, each read only under its flag; with
+        ALiBi the scores are scaled and modified before the mask, and the softmax takes them as they are; with the
+        soft cap alone the tile holds ``tanh(s / c)`` and the softmax scales it by ``cap_out``.  SOFTCAP ==
+        SOFTCAP_FIXED_MAX: the softmax's max is ``cap_out`` from the start (``_capped_softmax_step``).
 
         ``packed = (coord_batch, row_origin, key_origin, total_q, o_ptr, stride_o_row)``: rows, keys and lengths in
         ``scalars`` count within the sequence; a TMA box of it starts at ``[coord_batch, head, origin + row, 0]``.
@@ -283,7 +309,7 @@ if gluon is not None:
          first_key, left_tiles, unmasked_tiles, n_tiles, qk_scale, q_phase, kv_base, o_factor) = scalars  # fmt: skip
         window_left, window_right, cap_in, cap_out, slope2 = modifiers
         coord_batch, row_origin, key_origin, total_q, o_ptr, stride_o_row = packed
-        MODIFIED: gl.constexpr = SOFTCAP or ALIBI
+        FIXED_MAX: gl.constexpr = SOFTCAP == _SOFTCAP_FIXED_MAX
         ROWS: gl.constexpr = q_smem.type.shape[3]
         DTYPE: gl.constexpr = gl.float8e4nv if DESCALE else (gl.float16 if IS_FP16 else gl.bfloat16)
         O_DTYPE: gl.constexpr = gl.bfloat16 if DESCALE else DTYPE
@@ -327,19 +353,30 @@ if gluon is not None:
         s = _signed_scores(s, flip, DESCALE)
         keys = first_key + local_keys
         step_scale = qk_scale
-        if MODIFIED:
+        tanh_scale = qk_scale * cap_in
+        if ALIBI:
             alibi_cols = alibi_key_term(alibi_local, first_key, alibi_origin, slope2, CAUSAL, ALIBI)
             s = _modified_scores(
                 s, rows, keys, diagonal_offset, alibi_cols, qk_scale, cap_in, cap_out, slope2, CAUSAL, SOFTCAP, ALIBI
             )  # fmt: skip
             step_scale = 1.0
+        elif SOFTCAP:
+            # The soft cap alone: the tile holds t = tanh(s / c), and the softmax scales it by cap_out (> 0) as it
+            # scales raw scores by qk_scale, so the capped score c * tanh costs no multiply of its own (exp2's FFMA
+            # takes it) and the max runs over t.
+            s = tanh_approx(s * tanh_scale)
+            step_scale = cap_out
         if (unmasked_tiles == 0) | (left_tiles > 0):
             s = mask_scores(
                 s, rows, keys, diagonal_offset, seqlen_k, window_left, window_right, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT
             )
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([ROWS], gl.float32, s_rows)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, step_scale, DTYPE, p_layout, not DESCALE)
+        if FIXED_MAX:
+            m_i = gl.full([ROWS], 0.0, gl.float32, s_rows) + cap_out  # the max of every tile, for lse at the end
+            p, l_i = _capped_softmax_step(s, l_i, cap_out, DTYPE, p_layout)
+        else:
+            m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, step_scale, DTYPE, p_layout, not DESCALE)
         _stage_p(p, p_smem, 2 * WARPGROUP, DESCALE)
         if DESCALE:
             cta_barrier()
@@ -362,7 +399,8 @@ if gluon is not None:
             s = _issue_scores(
                 q_tile, q2_tile, k_ready, k_ring, k2_ring, kv_base + j, s, BLOCK_N, BLOCK_D, BLOCK_D2, NUM_STAGES
             )
-            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            if not FIXED_MAX:
+                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
             v_tile = _wait_v(v_ready, v_ring, kv_base + j - 1, BLOCK_N, BLOCK_DV, NUM_STAGES, DESCALE)
             acc = warpgroup_mma(_p_operand(p, p_smem, 2 * WARPGROUP + (j - 1) % 2, DESCALE), v_tile, acc, is_async=True)
             # wgmma groups complete in order: one outstanding means S_j (both parts) is done and P_{j-1} V_{j-1} may
@@ -374,18 +412,23 @@ if gluon is not None:
                 mbarrier.arrive(k_empty.index((kv_base + j) % NUM_STAGES))
             s = _signed_scores(s, flip, DESCALE)
             keys = first_key + j * BLOCK_N + local_keys
-            if MODIFIED:
+            if ALIBI:
                 alibi_cols = alibi_key_term(alibi_local, first_key + j * BLOCK_N, alibi_origin, slope2, CAUSAL, ALIBI)
                 s = _modified_scores(
                     s, rows, keys, diagonal_offset, alibi_cols, qk_scale, cap_in, cap_out, slope2, CAUSAL, SOFTCAP,
                     ALIBI,
                 )  # fmt: skip
+            elif SOFTCAP:
+                s = tanh_approx(s * tanh_scale)
             if (j >= unmasked_tiles) | (j < left_tiles):
                 s = mask_scores(
                     s, rows, keys, diagonal_offset, seqlen_k, window_left, window_right, CAUSAL, WINDOW_LEFT,
                     WINDOW_RIGHT,
                 )  # fmt: skip
-            p_next, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, step_scale, DTYPE, p_layout, not DESCALE)
+            if FIXED_MAX:
+                p_next, l_i = _capped_softmax_step(s, l_i, cap_out, DTYPE, p_layout)
+            else:
+                p_next, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, step_scale, DTYPE, p_layout, not DESCALE)
             _stage_p(p_next, p_smem, 2 * WARPGROUP + j % 2, DESCALE)  # the slot P_{j-2} V_{j-2} read
             if DESCALE:
                 acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -397,7 +440,8 @@ if gluon is not None:
                 mbarrier.arrive(v_empty.index((kv_base + j - 1) % NUM_STAGES))
             p = p_next
 
-        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        if not FIXED_MAX:
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         v_tile = _wait_v(v_ready, v_ring, kv_base + n_tiles - 1, BLOCK_N, BLOCK_DV, NUM_STAGES, DESCALE)
         if VARLEN and INLINE_LOADS:  # only the last tile can reach past the sequence: the others end before `end`
             _zero_tail(v_tile, seqlen_k - (first_key + (n_tiles - 1) * BLOCK_N))
@@ -639,6 +683,9 @@ if gluon is not None:
         DESCALE (FP8 inputs, ``attnzoo.attention_fp8``; dense, not PERSISTENT, one column part): q, k, v are e4m3,
         ``descale_ptr`` is float32 ``[B, Hkv, 3]`` (the factors of q, k and v), o is bfloat16, and ``v_desc`` is over
         the keys-contiguous ``[B, Hkv, Dv, Nk]`` view of v with ``[1, 1, Dv, BLOCK_N]`` boxes.
+
+        SOFTCAP: 0, SOFTCAP_RUNNING_MAX or SOFTCAP_FIXED_MAX (``softcap_form``); the soft cap is always the hardware's
+        ``tanh.approx.f32``.
         """
         DTYPE: gl.constexpr = gl.float8e4nv if DESCALE else (gl.float16 if IS_FP16 else gl.bfloat16)
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
@@ -799,6 +846,19 @@ if gluon is not None:
             mbarrier.invalidate(v_tail)
 
 
+def softcap_form(modifiers: ScoreModifiers, dtype: torch.dtype) -> int:
+    """The Gluon forward's SOFTCAP for a call: 0 without a soft cap; SOFTCAP_FIXED_MAX where every score's bound
+    makes the running max unneeded (``_capped_softmax_step``): bfloat16 inputs (an FP8 or float16 P cannot hold
+    ``2^(-2 cap_out)``), no ALiBi (its terms can lift a score above the cap), ``cap_out <= FIXED_MAX_CAP_OUT``;
+    else SOFTCAP_RUNNING_MAX."""
+    if not modifiers.softcap:
+        return 0
+    cap_out = modifiers.args[4]
+    if dtype == torch.bfloat16 and not modifiers.alibi and cap_out <= FIXED_MAX_CAP_OUT:
+        return SOFTCAP_FIXED_MAX
+    return SOFTCAP_RUNNING_MAX
+
+
 def attention_forward_hopper(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -877,6 +937,6 @@ def attention_forward_hopper(
         BLOCK_N=block_n, BLOCK_D=d_first, BLOCK_D2=d_second, BLOCK_DV=Dv, CAUSAL=causal,
         NUM_WARPGROUPS=block_m // 64, NUM_STAGES=num_stages, IS_FP16=q.dtype == torch.float16,
         WINDOW_LEFT=modifiers.flags["WINDOW_LEFT"], WINDOW_RIGHT=modifiers.flags["WINDOW_RIGHT"],
-        SOFTCAP=modifiers.flags["SOFTCAP"] != 0, ALIBI=modifiers.flags["ALIBI"], PERSISTENT=persistent,
+        SOFTCAP=softcap_form(modifiers, q.dtype), ALIBI=modifiers.flags["ALIBI"], PERSISTENT=persistent,
         VARLEN=varlen is not None, DESCALE=descale is not None, num_warps=KERNEL_WARPS,
     )  # fmt: skip

@@ -1,0 +1,94 @@
+"""The soft cap's forward cost over the plain call, in two (or more) source trees, in alternating processes.
+
+Each process imports attnzoo from one tree and times, per shape, the forward of the plain call and of the same call
+with ``softcap=30`` (``triton_2kernel``'s stored or heuristic configs; fp16/bf16, D = 128, B = 16384 / N, H = 16,
+causal and not), each a ``triton.testing.do_bench`` median after warm-up.  Processes of the trees alternate, the
+order reversed every other round; the table gives, per shape and tree, the median over the rounds of the capped
+time, of the plain time and of their ratio in the same process (the cost), and the capped call's speed against the
+first tree.
+
+    python3 bench/softcap_fwd_ab.py --tree before=scratch/main_tree --tree after=. --rounds 3 --out $OUT/ab.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+CAP = 30.0
+SHAPES = [(dtype, n, causal) for dtype in ("bf16", "fp16") for n in (4096, 16384) for causal in (True, False)]
+
+
+def _time_tree(label: str) -> None:
+    """In this process (attnzoo from the tree on sys.path): one JSON line per shape."""
+    import torch
+    import triton
+
+    import attnzoo
+
+    backend = attnzoo.get("triton_2kernel")
+    for dtype_name, n, causal in SHAPES:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+        gen = torch.Generator(device="cuda").manual_seed(n + causal)
+        q, k, v = (torch.randn(16384 // n, 16, n, 128, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
+        row = dict(tree=label, dtype=dtype_name, N=n, causal=causal)
+        for name, cap in (("plain", 0.0), ("softcap", CAP)):
+            kwargs = dict(causal=causal, softcap=cap, backend=backend)
+            row[name] = triton.testing.do_bench(lambda: attnzoo.attention(q, k, v, **kwargs), warmup=25, rep=100)  # noqa: B023
+        row["cost"] = row["softcap"] / row["plain"]
+        print(json.dumps(row), flush=True)
+
+
+def _table(rows: list[dict], trees: list[str]) -> list[str]:
+    by = collections.defaultdict(list)
+    for row in rows:
+        by[(row["dtype"], row["N"], row["causal"], row["tree"])].append(row)
+    lines = []
+    for dtype, n, causal in SHAPES:
+        first = statistics.median(r["softcap"] for r in by[(dtype, n, causal, trees[0])])
+        cells = []
+        for tree in trees:
+            got = by[(dtype, n, causal, tree)]
+            capped = statistics.median(r["softcap"] for r in got)
+            cells.append(
+                f"{tree}: capped {capped:.3f} ms, plain {statistics.median(r['plain'] for r in got):.3f} ms, "
+                f"cost {statistics.median(r['cost'] for r in got):.3f}, speed x{first / capped:.3f}"
+            )
+        lines.append(f"{dtype} N={n} {'causal' if causal else 'full'}: " + " | ".join(cells))
+    return lines
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tree", action="append", default=[], help="label=path (repeat; the first is the reference)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", help="JSON lines of every process's timings")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        _time_tree(args.child)
+        return 0
+    if not args.out or len(args.tree) < 2:
+        p.error("give --out and at least two --tree")
+    trees = dict(t.split("=", 1) for t in args.tree)
+    rows = []
+    for r in range(args.rounds):
+        for label in list(trees) if r % 2 == 0 else list(trees)[::-1]:
+            env = dict(os.environ, PYTHONPATH=os.path.abspath(trees[label]))
+            done = subprocess.run(
+                [sys.executable, __file__, "--child", label], env=env, capture_output=True, text=True, check=True
+            )
+            rows += [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    with open(args.out, "w") as fh:
+        fh.writelines(json.dumps(row) + "\n" for row in rows)
+    print("\n".join(_table(rows, list(trees))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
