@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from . import compiled_launch
-from .common import LOG2E, kv_block_opening, q_loop_bounds
+from .common import LOG2E, kv_block_opening, q_loop_bounds, tanh_approx
 from .forward_gluon import KERNEL_WARPS
 from .gluon_hopper import (
     accumulator_layout,
@@ -225,13 +225,12 @@ if gluon is not None:
         ``|i' - j|`` took a subtraction, a conversion and a multiply-add for each of 32 scores).  Both terms are
         small where P is not negligible: keys near ``start_n``, rows near them.  (Keys right of the diagonal get a
         wrong score; the caller's mask hides them.)"""
-        s2 = s_t * qk_scale
-        tanh = s2  # unread without SOFTCAP
         if SOFTCAP:
-            tanh = gl.inline_asm_elementwise(
-                "tanh.approx.f32 $0, $1;", "=r,r", [s2 * cap_in], dtype=gl.float32, is_pure=True, pack=1
-            )
+            tanh = tanh_approx(s_t * (qk_scale * cap_in))  # tanh(s / c): one multiply before it
             s2 = cap_out * tanh
+        else:
+            s2 = s_t * qk_scale
+            tanh = s2  # unread
         if ALIBI:
             alibi_ptr, slopes_row, head, stride_alibi_b, stride_alibi_h = slope_at
             slope2 = 1.4426950408889634 * gl.load(

@@ -86,10 +86,10 @@ if gluon is not None:  # (a Triton without Gluon: forward_gluon defines no kerne
         causal mask as the Gluon forward takes it (``forward_gluon._modified_scores``): ``alibi_cols`` is the
         keys' term ``slope (j - r0)``, one add per score, and the rows' term ``slope (i' - r0)`` is in ``lse2``."""
         window_left, window_right, cap_in, cap_out, slope2 = modifiers
-        s2 = s * qk_scale
-        dcap = 1.0
         if SOFTCAP:
-            s2, dcap = softcap_scores(s2, cap_in, cap_out, 2)
+            s2, dcap = softcap_scores(s, qk_scale * cap_in, cap_out, 2)
+        else:
+            s2, dcap = s * qk_scale, 1.0
         if ALIBI:
             if CAUSAL:  # (keys right of the diagonal get a wrong score; the mask below hides them)
                 s2 = s2 + alibi_cols[None, :]

@@ -502,17 +502,18 @@ def tanh_approx(x):
 
 
 @triton.jit
-def softcap_scores(s2, cap_in, cap_out, SOFTCAP: tl.constexpr):
-    """The soft cap on base-2 scores ``s2 = s * log2(e)`` -> ``(capped, dcap)``: ``capped = c * tanh(s / c) * log2(e)``
-    (the capped score in base-2 units) and ``dcap = 1 - tanh(s / c)^2``, the cap's derivative, which multiplies dS in
-    the backward (recomputed from the raw score, never stored).  ``cap_in = 1 / (c * log2(e))``, ``cap_out = c *
-    log2(e)``.
+def softcap_scores(raw, tanh_scale, cap_out, SOFTCAP: tl.constexpr):
+    """The soft cap on raw scores ``q . k`` -> ``(capped, dcap)``: ``capped = c * tanh(s / c) * log2(e)`` (the capped
+    score ``s = raw * scale`` in base-2 units) and ``dcap = 1 - tanh(s / c)^2``, the cap's derivative, which
+    multiplies dS in the backward (recomputed from the raw score, never stored).  ``tanh_scale = qk_scale * cap_in =
+    scale / c`` (one multiply per score before the tanh, where scaling and then dividing by c took two), ``cap_out =
+    c * log2(e)`` (``ScoreModifiers``).
 
     SOFTCAP == 2: the hardware's ``tanh.approx.f32`` (one MUFU.TANH, relative error ~2^-11), for float16/bfloat16 on
     the GPU, whose P is rounded coarser than that anyway; the exact form (``tanh_float32``) costs an EX2 and a
     division more per score, on the unit the softmax's own EX2 already loads.  SOFTCAP == 1: ``tanh_float32``.
     """
-    x = s2 * cap_in
+    x = raw * tanh_scale
     if SOFTCAP == 2:
         tanh = tanh_approx(x)
     else:
@@ -542,10 +543,10 @@ def modified_scores(
     transposed); ``dcap`` is the soft cap's derivative (1.0 without SOFTCAP).  Only called with SOFTCAP or ALIBI: the
     plain kernels keep their own (possibly folded) scaling.
     """
-    s2 = raw * qk_scale
-    dcap = 1.0
     if SOFTCAP:
-        s2, dcap = softcap_scores(s2, cap_in, cap_out, SOFTCAP)
+        s2, dcap = softcap_scores(raw, qk_scale * cap_in, cap_out, SOFTCAP)
+    else:
+        s2, dcap = raw * qk_scale, 1.0
     if ALIBI:
         q_pos = (q_idx + diagonal_offset).to(tl.float32)
         s2 = alibi_scores(s2, q_pos, k_idx.to(tl.float32), slope2)

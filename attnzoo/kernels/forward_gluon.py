@@ -133,9 +133,10 @@ if gluon is not None:
         ``_attend_rows``; the first, ``alibi_cols`` (``[BLOCK_N]``, from ``alibi_key_term``), is one add per score,
         where ``|i' - j|`` takes a subtraction, an absolute value and a multiply-add.  Keys right of the diagonal get
         a wrong score, but the causal mask hides them."""
-        s2 = s * qk_scale
         if SOFTCAP:
-            s2, _ = softcap_scores(s2, cap_in, cap_out, 2)
+            s2, _ = softcap_scores(s, qk_scale * cap_in, cap_out, 2)
+        else:
+            s2 = s * qk_scale
         if ALIBI:
             if CAUSAL:
                 s2 = s2 + alibi_cols[None, :]

@@ -1,13 +1,14 @@
-"""The soft cap's forward cost over the plain call, in two (or more) source trees, in alternating processes.
+"""The soft cap's cost over the plain call, in two (or more) source trees, in alternating processes.
 
-Each process imports attnzoo from one tree and times, per shape, the forward of the plain call and of the same call
-with ``softcap=30`` (``triton_2kernel``'s stored or heuristic configs; fp16/bf16, D = 128, B = 16384 / N, H = 16,
-causal and not), each a ``triton.testing.do_bench`` median after warm-up.  Processes of the trees alternate, the
-order reversed every other round; the table gives, per shape and tree, the median over the rounds of the capped
-time, of the plain time and of their ratio in the same process (the cost), and the capped call's speed against the
-first tree.
+Each process imports attnzoo from one tree and times, per shape, the forward (``--pass fwd``) or the backward
+(``--pass bwd``: ``torch.autograd.grad`` on a retained graph) of the plain call and of the same call with
+``softcap=30`` (``triton_2kernel``'s stored or heuristic configs; fp16/bf16, D = 128, B = 16384 / N, H = 16, causal
+and not), each a ``triton.testing.do_bench`` median after warm-up.  Processes of the trees alternate, the order
+reversed every other round; the table gives, per shape and tree, the median over the rounds of the capped time, of
+the plain time and of their ratio in the same process (the cost), and the capped call's speed against the first
+tree.
 
-    python3 bench/softcap_fwd_ab.py --tree before=scratch/main_tree --tree after=. --rounds 3 --out $OUT/ab.jsonl
+    python3 bench/softcap_ab.py --tree before=scratch/main_tree --tree after=. --rounds 3 --out $OUT/ab.jsonl
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ CAP = 30.0
 SHAPES = [(dtype, n, causal) for dtype in ("bf16", "fp16") for n in (4096, 16384) for causal in (True, False)]
 
 
-def _time_tree(label: str) -> None:
+def _time_tree(label: str, which: str) -> None:
     """In this process (attnzoo from the tree on sys.path): one JSON line per shape."""
     import torch
     import triton
@@ -35,11 +36,17 @@ def _time_tree(label: str) -> None:
     for dtype_name, n, causal in SHAPES:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
         gen = torch.Generator(device="cuda").manual_seed(n + causal)
-        q, k, v = (torch.randn(16384 // n, 16, n, 128, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
-        row = dict(tree=label, dtype=dtype_name, N=n, causal=causal)
+        q, k, v, do = (torch.randn(16384 // n, 16, n, 128, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
+        row = dict(tree=label, dtype=dtype_name, N=n, causal=causal, **{"pass": which})
         for name, cap in (("plain", 0.0), ("softcap", CAP)):
             kwargs = dict(causal=causal, softcap=cap, backend=backend)
-            row[name] = triton.testing.do_bench(lambda: attnzoo.attention(q, k, v, **kwargs), warmup=25, rep=100)  # noqa: B023
+            if which == "fwd":
+                run = lambda: attnzoo.attention(q, k, v, **kwargs)  # noqa: B023, E731
+            else:
+                leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+                out = attnzoo.attention(*leaves, **kwargs)
+                run = lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)  # noqa: B023, E731
+            row[name] = triton.testing.do_bench(run, warmup=25, rep=100)
         row["cost"] = row["softcap"] / row["plain"]
         print(json.dumps(row), flush=True)
 
@@ -67,11 +74,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tree", action="append", default=[], help="label=path (repeat; the first is the reference)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--pass", dest="which", choices=("fwd", "bwd"), default="fwd")
     p.add_argument("--out", help="JSON lines of every process's timings")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        _time_tree(args.child)
+        _time_tree(args.child, args.which)
         return 0
     if not args.out or len(args.tree) < 2:
         p.error("give --out and at least two --tree")
@@ -81,7 +89,11 @@ def main() -> int:
         for label in list(trees) if r % 2 == 0 else list(trees)[::-1]:
             env = dict(os.environ, PYTHONPATH=os.path.abspath(trees[label]))
             done = subprocess.run(
-                [sys.executable, __file__, "--child", label], env=env, capture_output=True, text=True, check=True
+                [sys.executable, __file__, "--child", label, "--pass", args.which],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
             )
             rows += [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     with open(args.out, "w") as fh:
