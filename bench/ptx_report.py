@@ -176,11 +176,13 @@ def gluon_source(
         return f"tensordesc<{DTYPES[element]}[{', '.join(map(str, box))}],{layout!r}>"
 
     softcap = "softcap" in modifiers
-    if softcap and kernel_name == "forward":  # the form attention_forward_hopper picks for the bench's cap (30)
-        from attnzoo.kernels.forward_gluon import SOFTCAP_FIXED_MAX, SOFTCAP_RUNNING_MAX
+    from attnzoo.kernels import forward_gluon as forms
 
+    if softcap and kernel_name == "forward" and hasattr(forms, "SOFTCAP_FIXED_MAX"):
+        # The form attention_forward_hopper takes for a cap of 30 (``softcap_form``); a tree from before the fixed
+        # max (an A/B's reference, on PYTHONPATH) has none and takes the flag.
         fixed = dtype == "bf16" and "alibi" not in modifiers
-        softcap = SOFTCAP_FIXED_MAX if fixed else SOFTCAP_RUNNING_MAX
+        softcap = forms.SOFTCAP_FIXED_MAX if fixed else forms.SOFTCAP_RUNNING_MAX
     flags = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=d_first, BLOCK_D2=d_second, BLOCK_DV=dv,
                  CAUSAL=causal, NUM_STAGES=cfg.num_stages, IS_FP16=dtype == "fp16", NUM_WARPGROUPS=cfg.block_m // 64,
                  WINDOW_LEFT="window" in modifiers, WINDOW_RIGHT=False, SOFTCAP=softcap,
@@ -263,6 +265,10 @@ def report(
         # `setmaxnreg` raises the consumer partitions above it, and the code there uses what the SASS names.
         maxnreg=sorted({int(n) for n in re.findall(r"\bsetmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}),
         registers_in_code=1 + max((int(n) for n in re.findall(r"\bR(\d+)\b", sass)), default=-1),
+        # SASS instructions in the kernel's code, and those on the multi-function unit (exp2, tanh, reciprocals):
+        # a count of the work per tile, since every loop body appears once per copy the compiler made of it.
+        sass_instructions=len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", sass, re.M)),
+        mufu=collections.Counter(re.findall(r"\bMUFU\.(\w+)", sass)),
         # Per-thread reductions by width, and the TMA reductions of a shared-memory tile ("tma": its element type is
         # in the tensor map, not the instruction).
         reductions=collections.Counter(re.findall(r"\bred\.global(?:\.\w+)*?\.add((?:\.v\d)?\.[bf]\d+)", ptx))
@@ -324,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"spill {r['spill_stores']}/{r['spill_loads']} B stored/loaded, "
                     f"products {widths(r['products'])}, "
                     f"stores {widths(r['stores'])}, reductions {widths(r['reductions'])}, "
-                    f"wgmma waits {widths(r['mma_waits'])}",
+                    f"wgmma waits {widths(r['mma_waits'])}, SASS {r['sass_instructions']} instructions "
+                    f"(MUFU {widths(r['mufu'])})",
                     flush=True,
                 )
                 for notice in r["ptxas_notices"]:

@@ -5,8 +5,8 @@ Three tables, one CSV (``--out``), a plot of time against window size (``--plot`
 - ``window``: causal sliding windows ``window=(w, 0)`` (row i sees keys i-w .. i) at each N, against the full causal
   call of the same N and against FlexAttention with the same sliding-window block mask.  Time per visible (query, key)
   pair is reported, so that a cost that grows with w (not with N) shows as a flat line.
-- ``softcap`` / ``alibi``: the same call with ``softcap`` (30, Gemma-2's value) or ALiBi slopes, against the call
-  without them and against FlexAttention's ``score_mod`` version.
+- ``softcap`` / ``alibi``: the same call with ``softcap`` (30, Grok-1's value; Gemma 2's is 50) or ALiBi slopes,
+  against the call without them and against FlexAttention's ``score_mod`` version.
 - ``head_dims``: D = 192 with Dv = 128 (DeepSeek's MLA) beside D = 128, TFLOP/s.
 
 attnzoo is timed on each backend of ``--impls`` (default: ``triton_2kernel`` and ``triton_atomic``, whose backward

@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from . import compiled_launch
-from .common import LOG2E, kv_block_opening, q_loop_bounds, tanh_approx
+from .common import LOG2E, kv_block_opening, q_loop_bounds, softcap_tanh_scale, tanh_approx
 from .forward_gluon import KERNEL_WARPS
 from .gluon_hopper import (
     accumulator_layout,
@@ -226,7 +226,7 @@ if gluon is not None:
         small where P is not negligible: keys near ``start_n``, rows near them.  (Keys right of the diagonal get a
         wrong score; the caller's mask hides them.)"""
         if SOFTCAP:
-            tanh = tanh_approx(s_t * (qk_scale * cap_in))  # tanh(s / c): one multiply before it
+            tanh = tanh_approx(s_t * softcap_tanh_scale(qk_scale, cap_in))  # tanh(s / c)
             s2 = cap_out * tanh
         else:
             s2 = s_t * qk_scale
@@ -804,7 +804,7 @@ if gluon is not None:
         WINDOW_LEFT/WINDOW_RIGHT: the sliding window's bounds (``ScoreModifiers``: ``window_left``/``window_right``,
         read only under their flags); the loop runs over the Q tiles that see some key of the block, and the tiles
         that the window's edges or the causal diagonal cut take the mask (``_visible_t``).  SOFTCAP: scores become
-        ``c tanh(s / c)`` (base 2: ``cap_out * tanh(s2 * cap_in)``, ``ScoreModifiers``; always ``tanh.approx.f32``,
+        ``c tanh(s / c)`` (base 2: ``cap_out * tanh(s * scale / c)``, ``ScoreModifiers``; always ``tanh.approx.f32``,
         the form the Triton kernels use for the 16-bit dtypes, the only ones in scope) and dS takes the factor
         ``1 - tanh^2``.  ALIBI: the slopes
         ``alibi_ptr`` float32 ``[B, H]`` (strides given; a packed batch's rows are its sequences) add

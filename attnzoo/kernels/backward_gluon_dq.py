@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import compiled_launch
-from .common import LOG2E, softcap_scores
+from .common import LOG2E, softcap_scores, softcap_tanh_scale
 from .forward_gluon import KERNEL_WARPS
 from .gluon_hopper import (
     accumulator_layout,
@@ -87,7 +87,7 @@ if gluon is not None:  # (a Triton without Gluon: forward_gluon defines no kerne
         keys' term ``slope (j - r0)``, one add per score, and the rows' term ``slope (i' - r0)`` is in ``lse2``."""
         window_left, window_right, cap_in, cap_out, slope2 = modifiers
         if SOFTCAP:
-            s2, dcap = softcap_scores(s, qk_scale * cap_in, cap_out, 2)
+            s2, dcap = softcap_scores(s, softcap_tanh_scale(qk_scale, cap_in), cap_out, 2)
         else:
             s2, dcap = s * qk_scale, 1.0
         if ALIBI:

@@ -502,12 +502,20 @@ def tanh_approx(x):
 
 
 @triton.jit
+def softcap_tanh_scale(qk_scale, cap_in):
+    """``scale / c = qk_scale * cap_in``, the factor of tanh's argument in ``softcap_scores``, held within float32's
+    range: a product that overflows (a tiny c under a large scale) would turn a zero score into ``0 * inf = NaN``,
+    where scaling and then dividing gave ``tanh(0) = 0``."""
+    return tl.minimum(tl.maximum(qk_scale * cap_in, -3.4028234663852886e38), 3.4028234663852886e38)
+
+
+@triton.jit
 def softcap_scores(raw, tanh_scale, cap_out, SOFTCAP: tl.constexpr):
     """The soft cap on raw scores ``q . k`` -> ``(capped, dcap)``: ``capped = c * tanh(s / c) * log2(e)`` (the capped
     score ``s = raw * scale`` in base-2 units) and ``dcap = 1 - tanh(s / c)^2``, the cap's derivative, which
-    multiplies dS in the backward (recomputed from the raw score, never stored).  ``tanh_scale = qk_scale * cap_in =
-    scale / c`` (one multiply per score before the tanh, where scaling and then dividing by c took two), ``cap_out =
-    c * log2(e)`` (``ScoreModifiers``).
+    multiplies dS in the backward (recomputed from the raw score, never stored).  ``tanh_scale = scale / c``
+    (``softcap_tanh_scale``: one multiply per score before the tanh, where scaling and then dividing by c took two),
+    ``cap_out = c * log2(e)`` (``ScoreModifiers``).
 
     SOFTCAP == 2: the hardware's ``tanh.approx.f32`` (one MUFU.TANH, relative error ~2^-11), for float16/bfloat16 on
     the GPU, whose P is rounded coarser than that anyway; the exact form (``tanh_float32``) costs an EX2 and a
@@ -544,7 +552,7 @@ def modified_scores(
     plain kernels keep their own (possibly folded) scaling.
     """
     if SOFTCAP:
-        s2, dcap = softcap_scores(raw, qk_scale * cap_in, cap_out, SOFTCAP)
+        s2, dcap = softcap_scores(raw, softcap_tanh_scale(qk_scale, cap_in), cap_out, SOFTCAP)
     else:
         s2, dcap = raw * qk_scale, 1.0
     if ALIBI:

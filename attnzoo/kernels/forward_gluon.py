@@ -61,7 +61,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import compiled_launch
-from .common import LOG2E, fp8_factors, kv_loop_bounds, q_block_opening, q_block_program, softcap_scores, tanh_approx
+from .common import (
+    LOG2E,
+    fp8_factors,
+    kv_loop_bounds,
+    q_block_opening,
+    q_block_program,
+    softcap_scores,
+    softcap_tanh_scale,
+    tanh_approx,
+)
 from .gluon_hopper import (
     accumulator_layout,
     check_warpgroup_rows,
@@ -134,7 +143,7 @@ if gluon is not None:
         where ``|i' - j|`` takes a subtraction, an absolute value and a multiply-add.  Keys right of the diagonal get
         a wrong score, but the causal mask hides them."""
         if SOFTCAP:
-            s2, _ = softcap_scores(s, qk_scale * cap_in, cap_out, 2)
+            s2, _ = softcap_scores(s, softcap_tanh_scale(qk_scale, cap_in), cap_out, 2)
         else:
             s2 = s * qk_scale
         if ALIBI:
@@ -156,10 +165,12 @@ if gluon is not None:
 
     @gluon.jit
     def _softmax_step(s, m_i, l_i, qk_scale, DTYPE: gl.constexpr, p_layout: gl.constexpr, P_IN_REGISTERS: gl.constexpr):
-        """Online softmax of one raw score tile ``s`` ``[BLOCK_M, BLOCK_N]`` (``-inf`` = hidden) in base 2.
+        """Online softmax of one score tile ``s`` ``[BLOCK_M, BLOCK_N]`` (``-inf`` = hidden) in base 2, whose base-2
+        scores are ``s * qk_scale``: raw scores with ``qk_scale = scale * log2(e)``, ``tanh(s / c)`` with
+        ``cap_out`` (the soft cap), scores already modified with 1.0 (ALiBi).
 
-        ``qk_scale = scale * log2(e) > 0``, so the max of the scaled scores is the max of the raw ones times it and
-        each score costs one FFMA and one exp2.  Returns ``P`` (in the operands' dtype; P_IN_REGISTERS: laid out as
+        ``qk_scale > 0``, so the max of the scaled scores is the max of the tile's times it and each score costs one
+        FFMA and one exp2.  Returns ``P`` (in the operands' dtype; P_IN_REGISTERS: laid out as
         the left operand of ``P V`` in registers, else as the S accumulator, for ``_stage_p``), ``alpha =
         exp2(m_old - m_new)`` for rescaling O, and the new running max and sum.
         """
@@ -311,6 +322,8 @@ if gluon is not None:
         window_left, window_right, cap_in, cap_out, slope2 = modifiers
         coord_batch, row_origin, key_origin, total_q, o_ptr, stride_o_row = packed
         FIXED_MAX: gl.constexpr = SOFTCAP == _SOFTCAP_FIXED_MAX
+        # (SOFTCAP == 2 is the hardware tanh in ScoreModifiers' flags: here only softcap_form's value means this.)
+        gl.static_assert(not (FIXED_MAX and (IS_FP16 or DESCALE or ALIBI)), "the fixed max: bfloat16 without ALiBi")
         ROWS: gl.constexpr = q_smem.type.shape[3]
         DTYPE: gl.constexpr = gl.float8e4nv if DESCALE else (gl.float16 if IS_FP16 else gl.bfloat16)
         O_DTYPE: gl.constexpr = gl.bfloat16 if DESCALE else DTYPE
@@ -354,7 +367,7 @@ if gluon is not None:
         s = _signed_scores(s, flip, DESCALE)
         keys = first_key + local_keys
         step_scale = qk_scale
-        tanh_scale = qk_scale * cap_in
+        tanh_scale = softcap_tanh_scale(qk_scale, cap_in)
         if ALIBI:
             alibi_cols = alibi_key_term(alibi_local, first_key, alibi_origin, slope2, CAUSAL, ALIBI)
             s = _modified_scores(
@@ -456,7 +469,7 @@ if gluon is not None:
             # The last V slot too: a persistent producer refills it for its next Q block.
             mbarrier.arrive(v_empty.index((kv_base + n_tiles - 1) % NUM_STAGES))
 
-        # Rows with no visible key: l = 0, acc = 0, m = -inf -> o = 0, lse = -inf (no NaN).
+        # Rows with no visible key: l = 0, acc = 0 (m = -inf, or cap_out under FIXED_MAX) -> o = 0, lse = -inf (no NaN).
         empty = l_i == 0.0
         l_safe = gl.where(empty, 1.0, l_i)
         lse2 = m_i + gl.log2(l_safe)
