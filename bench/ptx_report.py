@@ -328,10 +328,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"{name} {args.dtype} D={d}{f' Dv={args.dv}' if args.dv else ''} {cfg}: "
                     f"{r['registers']} registers{partitions}, {r['shared_bytes']} B shared memory, "
                     f"spill {r['spill_stores']}/{r['spill_loads']} B stored/loaded, "
+                    f"SASS {r['sass_instructions']} instructions (MUFU {widths(r['mufu'])}), "
                     f"products {widths(r['products'])}, "
                     f"stores {widths(r['stores'])}, reductions {widths(r['reductions'])}, "
-                    f"wgmma waits {widths(r['mma_waits'])}, SASS {r['sass_instructions']} instructions "
-                    f"(MUFU {widths(r['mufu'])})",
+                    f"wgmma waits {widths(r['mma_waits'])}",
                     flush=True,
                 )
                 for notice in r["ptxas_notices"]:
