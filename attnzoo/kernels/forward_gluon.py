@@ -867,8 +867,7 @@ def softcap_form(modifiers: ScoreModifiers, dtype: torch.dtype) -> int:
     else SOFTCAP_RUNNING_MAX."""
     if not modifiers.softcap:
         return 0
-    cap_out = modifiers.args[4]
-    if dtype == torch.bfloat16 and not modifiers.alibi and cap_out <= FIXED_MAX_CAP_OUT:
+    if dtype == torch.bfloat16 and not modifiers.alibi and modifiers.cap_out <= FIXED_MAX_CAP_OUT:
         return SOFTCAP_FIXED_MAX
     return SOFTCAP_RUNNING_MAX
 

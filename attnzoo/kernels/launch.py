@@ -230,6 +230,11 @@ class ScoreModifiers:
     alibi: bool
     key: str  # what the tuning key adds ("" without modifiers: dense keys keep their stored winners)
 
+    @property
+    def cap_out(self) -> float:
+        """The soft cap as the kernels take it, ``c * log2(e)`` (0.0 without one): ``args[4]``."""
+        return self.args[4]
+
     @classmethod
     def of(
         cls, problem: Problem, device: torch.device, block_d: int, block_dv: int, bound: int | None = None
