@@ -231,7 +231,9 @@ def report(
         src, num_warps = gluon_source(kernel_name, dtype, d, cfg, causal, modifiers, dv)
     else:
         src, num_warps = source(KERNELS[kernel_name], dtype, d, cfg, causal, q_tail, modifiers), cfg.num_warps
-    compiled = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=cfg.num_stages))
+    compiled = triton.compile(
+        src, target=TARGET, options=dict(num_warps=num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True)
+    )
     ptx = compiled.asm["ptx"]
     path = f"/tmp/attnzoo_{kernel_name}_{os.getpid()}.ptx"
     with open(path, "w") as fh:

@@ -82,6 +82,14 @@ def test_a_launch_without_a_key_always_goes_through_triton(stand_in):
     assert len(stand_in.bound_launches) == 3 and not stand_in.compiled_launches
 
 
+@pytest.mark.parametrize("key", [None, "a"])
+def test_every_launch_asks_for_fp_fusion(stand_in, key):
+    """The kernels' one-FFMA steps (exp2's argument per score) need ptxas to contract a multiply and an add, which
+    Triton 3.10 stops doing unless asked."""
+    compiled_launch.launch(stand_in, (1,), key, "x", 10, BLOCK=32, num_warps=4)
+    assert stand_in.bound_launches == [((1,), ("x", 10), {"BLOCK": 32, "num_warps": 4, "enable_fp_fusion": True})]
+
+
 def test_the_check_fails_a_key_under_which_triton_would_find_another_kernel(stand_in, monkeypatch):
     monkeypatch.setattr(compiled_launch, "CHECK_LAUNCHES", True)
     compiled_launch.launch(stand_in, (1,), "a", "x", 10)

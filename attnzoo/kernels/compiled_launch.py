@@ -59,7 +59,13 @@ _ORDERS: dict[Any, Callable[..., tuple]] = {}
 
 def launch(kernel: Any, grid: tuple[int, ...], key: Hashable | None, *args: Any, **kwargs: Any) -> None:
     """``kernel[grid](*args, **kwargs)``; with a ``key`` (not None), a later launch under the same key and keyword
-    arguments goes straight to the compiled kernel that the first one found."""
+    arguments goes straight to the compiled kernel that the first one found.
+
+    Every launch asks for FP fusion (``enable_fp_fusion=True``): the kernels count on ptxas contracting a multiply and
+    an add into one FFMA (exp2's argument ``s * scale - m`` per score, the soft cap's ``cap_out * t - m``), Triton's
+    default up to 3.9, which warns that 3.10 turns it off.  Asked for, it compiles the kernels Triton's default did
+    (the same cache entries)."""
+    kwargs["enable_fp_fusion"] = True
     if key is None or not DIRECT_LAUNCHES or _triton_path_needed(kernel):
         kernel[grid](*args, **kwargs)
         return

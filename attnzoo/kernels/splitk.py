@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import compiled_launch
 from .common import LOG2E, as_int64, key_visible, modified_scores, online_softmax_step
 from .launch import ScoreModifiers, _placeholder, dot_precision, num_blocks, sm_count
 from .tuning import head_dim_tile
@@ -324,8 +325,8 @@ def splitk_attention(
         lse_part = new_output((B, H, Nq, num_splits), torch.float32)
         o_strides, lse_strides = o_part.stride(), lse_part.stride()
     grid = (B * Hkv, num_splits, row_tiles)
-    splitk_partial_kernel[grid](
-        q, k, v, lengths_arg, table, o_part, lse_part,
+    compiled_launch.launch(
+        splitk_partial_kernel, grid, None, q, k, v, lengths_arg, table, o_part, lse_part,
         *q.stride(), *k.stride(), *v.stride(), *stride_bt, *o_strides, *lse_strides,
         Nq, capacity, Hkv, G, page_size, keys_per_split, problem.scale * LOG2E, D, *modifiers.args,
         EVEN_D=block_d == D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=problem.causal,
@@ -334,8 +335,8 @@ def splitk_attention(
         DOT_PRECISION=dot_precision(problem.dtype), **modifiers.flags, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if not final:
-        splitk_merge_kernel[(B * H * Nq,)](
-            o_part, lse_part, o, lse, num_splits, Dv,
+        compiled_launch.launch(
+            splitk_merge_kernel, (B * H * Nq,), None, o_part, lse_part, o, lse, num_splits, Dv,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_DV=block_dv, num_warps=4 if block_dv >= 128 else 2,
         )  # fmt: skip
     return o, lse
