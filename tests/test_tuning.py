@@ -99,6 +99,29 @@ def test_problem_carries_seqlens_k():
     assert not attnzoo.validation.validate_forward(q, q, q).has_seqlens_k
 
 
+@pytest.mark.parametrize(
+    "causal, window, key",
+    [
+        (True, (256, 0), "window<=256"),
+        (True, (1024, 0), "window<=1024"),
+        (True, (4096, 0), "window<=4096"),
+        (True, (300, -20), "window<=512"),  # the band from 300 keys left of the diagonal to 20 keys left of it
+        (False, (100, 100), "window<=256"),
+        (False, (None, 50), "window"),  # unbounded on the left: every key before the row
+        (False, (64, None), "window"),
+        (True, None, ""),
+    ],
+)
+def test_the_tuning_key_holds_the_window_span_bucket(causal, window, key):
+    """Windows of different spans keep their own tuned winners (a 256-key band leaves a 128-row block three key
+    tiles, a 4096-key one thirty-three); a band unbounded on one side keeps the plain "window" key."""
+    from attnzoo.kernels.launch import ScoreModifiers
+
+    q = torch.randn(1, 2, 8192, 64)
+    problem = attnzoo.validation.validate_forward(q, q, q, causal, None, None, window)
+    assert ScoreModifiers.of(problem, q.device, 64, 64).key == key
+
+
 def test_disk_cache_round_trip_and_merge(tuner, tmp_path):
     cfg = KernelConfig(64, 64, 4, 3)
     tuner.store.save(H100, tuning.key_text(OFF_GRID_KEY), cfg)

@@ -228,7 +228,7 @@ class ScoreModifiers:
     window_right_bounded: bool
     softcap: bool
     alibi: bool
-    key: str  # what the tuning key adds ("" without modifiers: dense keys keep their stored winners)
+    key: str  # what the tuning key adds ("" without modifiers: dense keys keep their stored winners; a band's span)
 
     @property
     def cap_out(self) -> float:
@@ -271,8 +271,16 @@ class ScoreModifiers:
             BLOCK_DV=block_dv, EVEN_DV=dv == block_dv, DV_IS_D=dv == problem.head_dim, WINDOW_LEFT=left_bounded,
             WINDOW_RIGHT=right_bounded, SOFTCAP=softcap_mode, ALIBI=slopes is not None,
         )  # fmt: skip
+        if left_bounded and (right_bounded or problem.causal):
+            # The band's span (keys a row may see, less one) sets the K/V tiles per Q block, and with them the best
+            # tiles: three for a 128-row block under a 256-key window, thirty-three under a 4096-key one.  Tuned
+            # winners are kept per power-of-two bucket of it, as per bucket of N.
+            span = window_left + (window_right if right_bounded else 0)
+            window_key = f"window<={seqlen_bucket(max(span, 1))}"
+        else:
+            window_key = "window" if problem.window is not None else ""
         parts = [
-            "window" if problem.window is not None else "",
+            window_key,
             "softcap" if softcap else "",
             "alibi" if slopes is not None else "",
             f"BLOCK_DV={block_dv}" if block_dv != block_d else "",
