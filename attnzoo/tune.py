@@ -18,11 +18,18 @@ The packed case is ``attnzoo.bench.varlen``'s: 16k tokens in sequences of length
     python -m attnzoo tune --dtype fp16,bf16 --d 64,128 --N 1k,2k,4k,8k,16k
     python -m attnzoo tune --dtype bf16 --d 128 --N 4k --layout packed
     python -m attnzoo tune --kernels dq        # the dQ kernel's keys only (say, after new candidates)
+
+``--window L,R`` and ``--softcap C`` tune the keys of calls with that sliding window or soft cap (SPEC.md's
+semantics): their keys are their own (a window's by the power-of-two bucket of its band's span), and so are their
+best tiles (bench/results/h100_modifiers_window_span.log, h100_softcap_tuning.log).
+
+    python -m attnzoo tune --dtype bf16 --d 128 --N 4k,16k --causal yes --window 4095,0
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing
 import sys
 import time
@@ -50,16 +57,19 @@ def _lengths(text: str) -> list[int]:
     return out
 
 
-def _jobs(dtypes: list[str], head_dims: list[int], causals: list[bool], layouts: list[int | None]) -> list[tuple]:
-    """(dtype name, D, causal, kernel, config text, layout): one compilation each, every candidate of every kernel
-    for each layout (None: dense; N: the packed case of N)."""
+def _jobs(
+    dtypes: list[str], head_dims: list[int], causals: list[bool], layouts: list[int | None], modifiers: tuple = ()
+) -> list[tuple]:
+    """(dtype name, D, causal, kernel, config text, layout, modifiers): one compilation each, every candidate of every
+    kernel for each layout (None: dense; N: the packed case of N); ``modifiers``: the calls' keyword arguments as
+    (name, value) pairs."""
     import torch
 
     from .kernels.tuning import CANDIDATES, candidates, head_dim_tile
 
     device = torch.device("cuda")
     return [
-        (dtype, d, causal, kernel, str(cfg), packed_n)
+        (dtype, d, causal, kernel, str(cfg), packed_n, modifiers)
         for packed_n in layouts
         for dtype in dtypes
         for d in head_dims
@@ -84,18 +94,22 @@ def packed_case(dtype: torch.dtype, d: int, n: int, seed: int = 0):
     return q, k, v, do, cu_seqlens(lengths, "cuda"), max(lengths)
 
 
-def _run_both_ways(backend, q, k, v, do, causal: bool, packed: tuple | None, backward: bool = True) -> None:
+def _run_both_ways(
+    backend, q, k, v, do, causal: bool, packed: tuple | None, backward: bool = True, modifiers: tuple = ()
+) -> None:
     """One forward (and with ``backward`` one backward) of ``backend``: dense on ``[B, H, N, D]`` q, k, v, do, or
-    (``packed = (cu_seqlens, max_seqlen)``) packed on ``[total, H, D]`` ones."""
+    (``packed = (cu_seqlens, max_seqlen)``) packed on ``[total, H, D]`` ones; ``modifiers``: (name, value) pairs of
+    ``window`` and ``softcap``."""
+    kwargs = dict(modifiers)
     if packed is None:
-        o, lse = backend.forward(q, k, v, causal=causal)
+        o, lse = backend.forward(q, k, v, causal=causal, **kwargs)
         if backward:
-            backend.backward(do, q, k, v, o, lse, causal=causal)
+            backend.backward(do, q, k, v, o, lse, causal=causal, **kwargs)
         return
     from .varlen import run_varlen_backward, run_varlen_forward, validate_varlen
 
     cu, max_len = packed
-    problem = validate_varlen(q, k, v, cu, cu, max_len, max_len, causal)
+    problem = validate_varlen(q, k, v, cu, cu, max_len, max_len, causal, **kwargs)
     o, lse = run_varlen_forward(backend, q, k, v, problem)
     if backward:
         run_varlen_backward(backend, do, q, k, v, o, lse, problem)
@@ -108,7 +122,7 @@ def compile_config(job: tuple) -> str:
 
     import attnzoo
 
-    dtype_name, d, causal, kernel, config, packed_n = job
+    dtype_name, d, causal, kernel, config, packed_n, modifiers = job
     dtype = getattr(torch, DTYPES[dtype_name])
     start = time.perf_counter()
     try:
@@ -125,11 +139,11 @@ def compile_config(job: tuple) -> str:
             if kernel == "atomic":
                 for delta in ("preprocess", "recompute"):
                     atomic = attnzoo.get("triton_atomic", delta=delta, configs={"atomic": config})
-                    _run_both_ways(atomic, q, k, v, do, causal, packed)
+                    _run_both_ways(atomic, q, k, v, do, causal, packed, modifiers=modifiers)
                 continue
             backend = attnzoo.get("triton_2kernel", configs={kernel: config})
             # A forward config needs no backward (which would compile the backward kernels' picks in every job).
-            _run_both_ways(backend, q, k, v, do, causal, packed, backward=kernel != "forward")
+            _run_both_ways(backend, q, k, v, do, causal, packed, kernel != "forward", modifiers)
         torch.cuda.synchronize()
         outcome = "ok"
     except Exception as error:  # reported: the timing step falls back past configs that do not launch
@@ -157,10 +171,11 @@ def tune(
     quiet: bool,
     layouts: tuple[bool, ...] = (False,),
     kernels: tuple[str, ...] | None = None,
+    modifiers: tuple = (),
 ) -> list[str]:
     """Time every key of the given shapes, dense and/or packed (``layouts``: False dense, True packed), and store the
     winners; returns one report line per key tuned.  ``kernels``: time only these kernels' keys (the backends that
-    run none of them are not run)."""
+    run none of them are not run); ``modifiers``: the calls' ``window``/``softcap`` as (name, value) pairs."""
     import torch
 
     import attnzoo
@@ -192,7 +207,7 @@ def tune(
                 q, k, v, do = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
                 layout = None
             for name in backends:
-                _run_both_ways(attnzoo.get(name), q, k, v, do, causal, layout)
+                _run_both_ways(attnzoo.get(name), q, k, v, do, causal, layout, modifiers=modifiers)
             torch.cuda.synchronize()
             progress.advance(f"{dtype_name} D={d} N={n} causal={causal}{' packed' if packed else ''}", "tuned")
     return list(tuned_report().values())
@@ -213,6 +228,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="comma list of the kernels to time (forward, dq, dkdv, atomic; default all): the others run their stored "
         "or shipped configs, untimed",
     )  # fmt: skip
+    p.add_argument(
+        "--window", default=None, metavar="LEFT,RIGHT",
+        help="tune calls with this sliding window (SPEC.md: ints or 'none'; e.g. 4095,0 with --causal yes)",
+    )  # fmt: skip
+    p.add_argument("--softcap", type=float, default=0.0, help="tune calls with this soft cap (> 0; default none)")
     p.add_argument("--workers", type=int, default=None, help="compilation processes (default: CPU count, at most 16)")
     p.add_argument("--skip-compile", action="store_true", help="no parallel compilation step")
     p.add_argument("--compile-only", action="store_true", help="only the parallel compilation step (no timing)")
@@ -237,6 +257,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--kernels: comma list of {', '.join(known)}, got {args.kernels!r}")
     args.causals = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
     args.packed_layouts = {"dense": (False,), "packed": (True,), "both": (False, True)}[args.layout]
+    modifiers = []
+    if args.window is not None:
+        from .compare import parse_window
+
+        try:
+            modifiers.append(("window", parse_window(args.window)))
+        except argparse.ArgumentTypeError as error:
+            p.error(f"--window: {error}")
+    if args.softcap != 0.0:
+        if not math.isfinite(args.softcap) or args.softcap < 0:
+            p.error(f"--softcap must be a finite number > 0, got {args.softcap}")
+        modifiers.append(("softcap", args.softcap))
+    args.modifiers = tuple(modifiers)
     return args
 
 
@@ -256,12 +289,19 @@ def main(argv: list[str] | None = None) -> int:
         workers = args.workers or min(16, os.cpu_count() or 1)
         # Dense kernels compile once for every N; packed ones on each N's own packed case.
         layouts = [None] * (False in args.packed_layouts) + args.lengths * (True in args.packed_layouts)
-        jobs = _jobs(args.dtypes, args.head_dims, args.causals, layouts)
+        jobs = _jobs(args.dtypes, args.head_dims, args.causals, layouts, args.modifiers)
         jobs = [job for job in jobs if args.kernel_names is None or job[3] in args.kernel_names]
         compile_all(jobs, workers, args.quiet)
     if not args.compile_only:
         for line in tune(
-            args.dtypes, args.head_dims, args.lengths, args.causals, args.quiet, args.packed_layouts, args.kernel_names
+            args.dtypes,
+            args.head_dims,
+            args.lengths,
+            args.causals,
+            args.quiet,
+            args.packed_layouts,
+            args.kernel_names,
+            args.modifiers,
         ):
             print(f"[tuned] {line}")  # the lines bench/ship_tuning.py reads
         print(f"winners stored in {cache_file(current_identity())}")

@@ -18,6 +18,10 @@ from attnzoo import tune
         (["--workers", "0"], "--workers must be >= 1"),
         (["--layout", "padded"], "argument --layout: invalid choice"),
         (["--kernels", "dq,backward"], "--kernels: comma list of forward, dq, dkdv, atomic"),
+        (["--window", "4096"], "--window: expected LEFT,RIGHT"),
+        (["--window", "a,0"], "--window: expected LEFT,RIGHT"),
+        (["--softcap", "-1"], "--softcap must be a finite number > 0"),
+        (["--softcap", "inf"], "--softcap must be a finite number > 0"),
     ],
 )
 def test_bad_flags_are_usage_errors(argv, message, capsys):
@@ -36,6 +40,30 @@ def test_layout_picks_dense_packed_or_both():
 def test_kernels_restricts_the_timing():
     assert tune.parse_args([]).kernel_names is None
     assert tune.parse_args(["--kernels", "dq,dkdv"]).kernel_names == ("dq", "dkdv")
+
+
+def test_window_and_softcap_reach_every_tuned_call():
+    """``--window``/``--softcap`` become the keyword arguments of the compile jobs' and the timed calls' forward and
+    backward (their tuning keys are their own)."""
+    args = tune.parse_args(["--window", "4095,0", "--softcap", "30"])
+    assert args.modifiers == (("window", (4095, 0)), ("softcap", 30.0))
+    assert tune.parse_args(["--window", "none,64"]).modifiers == (("window", (None, 64)),)
+    assert tune.parse_args([]).modifiers == ()
+
+    calls = []
+
+    class Recorder:
+        def forward(self, q, k, v, **kwargs):
+            calls.append(("forward", kwargs))
+            return q, None
+
+        def backward(self, do, q, k, v, o, lse, **kwargs):
+            calls.append(("backward", kwargs))
+
+    x = torch.randn(1, 1, 4, 8)
+    tune._run_both_ways(Recorder(), x, x, x, x, True, None, modifiers=args.modifiers)
+    expected = dict(causal=True, window=(4095, 0), softcap=30.0)
+    assert calls == [("forward", expected), ("backward", expected)]
 
 
 def test_lengths_read_k_suffixes():
