@@ -29,7 +29,6 @@ best tiles (bench/results/h100_modifiers_window_span.log, h100_softcap_tuning.lo
 from __future__ import annotations
 
 import argparse
-import math
 import multiprocessing
 import sys
 import time
@@ -143,7 +142,7 @@ def compile_config(job: tuple) -> str:
                 continue
             backend = attnzoo.get("triton_2kernel", configs={kernel: config})
             # A forward config needs no backward (which would compile the backward kernels' picks in every job).
-            _run_both_ways(backend, q, k, v, do, causal, packed, kernel != "forward", modifiers)
+            _run_both_ways(backend, q, k, v, do, causal, packed, backward=kernel != "forward", modifiers=modifiers)
         torch.cuda.synchronize()
         outcome = "ok"
     except Exception as error:  # reported: the timing step falls back past configs that do not launch
@@ -262,13 +261,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         from .compare import parse_window
 
         try:
-            modifiers.append(("window", parse_window(args.window)))
+            window = parse_window(args.window)
         except argparse.ArgumentTypeError as error:
             p.error(f"--window: {error}")
+        if window == (None, None):
+            p.error("--window: none,none is no window (leave --window out)")
+        modifiers.append(("window", window))
     if args.softcap != 0.0:
-        if not math.isfinite(args.softcap) or args.softcap < 0:
-            p.error(f"--softcap must be a finite number > 0, got {args.softcap}")
-        modifiers.append(("softcap", args.softcap))
+        from .validation import _validate_softcap
+
+        try:
+            modifiers.append(("softcap", _validate_softcap(args.softcap)))
+        except ValueError as error:
+            p.error(f"--softcap: {error}")
     args.modifiers = tuple(modifiers)
     return args
 

@@ -20,8 +20,10 @@ from attnzoo import tune
         (["--kernels", "dq,backward"], "--kernels: comma list of forward, dq, dkdv, atomic"),
         (["--window", "4096"], "--window: expected LEFT,RIGHT"),
         (["--window", "a,0"], "--window: expected LEFT,RIGHT"),
-        (["--softcap", "-1"], "--softcap must be a finite number > 0"),
-        (["--softcap", "inf"], "--softcap must be a finite number > 0"),
+        (["--window", "none,none"], "--window: none,none is no window"),
+        (["--softcap", "-1"], "--softcap: softcap must be 0 (off) or positive"),
+        (["--softcap", "inf"], "--softcap: softcap must be 0 (off) or positive"),
+        (["--softcap", "1e-40"], "within float32's normal range"),
     ],
 )
 def test_bad_flags_are_usage_errors(argv, message, capsys):

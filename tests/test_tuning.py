@@ -107,14 +107,17 @@ def test_problem_carries_seqlens_k():
         (True, (4096, 0), "window<=4096"),
         (True, (300, -20), "window<=512"),  # the band from 300 keys left of the diagonal to 20 keys left of it
         (False, (100, 100), "window<=256"),
-        (False, (None, 50), "window"),  # unbounded on the left: every key before the row
-        (False, (64, None), "window"),
+        (True, (10**9, 0), "window<=8192"),  # reaches no further than every key before the row: as (8191, 0)
+        (True, (8191, 0), "window<=8192"),
+        (False, (None, 50), "window<=16384"),  # every key before the row and 50 after it
+        (False, (64, None), "window<=16384"),
         (True, None, ""),
     ],
 )
 def test_the_tuning_key_holds_the_window_span_bucket(causal, window, key):
     """Windows of different spans keep their own tuned winners (a 256-key band leaves a 128-row block three key
-    tiles, a 4096-key one thirty-three); a band unbounded on one side keeps the plain "window" key."""
+    tiles, a 4096-key one thirty-three); a side reaches at most as far as the score matrix does (N = 8192 here), so
+    windows with equal masks share a key."""
     from attnzoo.kernels.launch import ScoreModifiers
 
     q = torch.randn(1, 2, 8192, 64)

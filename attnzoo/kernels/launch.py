@@ -271,14 +271,18 @@ class ScoreModifiers:
             BLOCK_DV=block_dv, EVEN_DV=dv == block_dv, DV_IS_D=dv == problem.head_dim, WINDOW_LEFT=left_bounded,
             WINDOW_RIGHT=right_bounded, SOFTCAP=softcap_mode, ALIBI=slopes is not None,
         )  # fmt: skip
-        if left_bounded and (right_bounded or problem.causal):
+        window_key = ""
+        if problem.window is not None:
             # The band's span (keys a row may see, less one) sets the K/V tiles per Q block, and with them the best
             # tiles: three for a 128-row block under a 256-key window, thirty-three under a 4096-key one.  Tuned
-            # winners are kept per power-of-two bucket of it, as per bucket of N.
-            span = window_left + (window_right if right_bounded else 0)
-            window_key = f"window<={seqlen_bucket(max(span, 1))}"
-        else:
-            window_key = "window" if problem.window is not None else ""
+            # winners are kept per power-of-two bucket of it, as per bucket of N.  The diagonals j - i' of the score
+            # matrix run from -(Nk - 1) to Nq - 1, so a side reaches that far at most: equal masks, equal keys.
+            left_reach = min(window_left, problem.seqlen_k - 1) if left_bounded else problem.seqlen_k - 1
+            if right_bounded:
+                right_reach = min(window_right, problem.seqlen_q - 1)
+            else:
+                right_reach = 0 if problem.causal else problem.seqlen_q - 1
+            window_key = f"window<={seqlen_bucket(max(left_reach + right_reach, 1))}"
         parts = [
             window_key,
             "softcap" if softcap else "",
