@@ -129,6 +129,24 @@ def test_window_sides_beyond_the_sequences_change_nothing():
     assert validate_forward(q, k, k, window=(None, None)).window is None
 
 
+@pytest.mark.parametrize("name", ["triton_2kernel", "triton_atomic"])
+def test_a_window_that_hides_no_key_runs_the_kernels_of_the_call_without_it(name):
+    """A side at or past the score matrix's last diagonal (left >= Nk - 1, right >= Nq - 1) hides no key: the
+    Triton kernels run as for the call without it (bitwise the same o, lse and gradients), under its tuning key."""
+    pytest.importorskip("triton")
+    backend = attnzoo.get(name)
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, do = (_randn(gen, 1, 2, n, 16, dtype=F32) for n in (24, 40, 40, 24))
+    for causal, window in ((True, (39, 0)), (True, (10**6, 5)), (False, (39, 23)), (False, (None, 10**6))):
+        o, lse = backend.forward(q, k, v, causal=causal, window=window)
+        o_plain, lse_plain = backend.forward(q, k, v, causal=causal)
+        assert torch.equal(o, o_plain) and torch.equal(lse, lse_plain), window
+        grads = backend.backward(do, q, k, v, o, lse, causal=causal, window=window)
+        for got, plain in zip(grads, backend.backward(do, q, k, v, o, lse, causal=causal), strict=True):
+            assert torch.equal(got, plain), window
+        assert prepare(q, k, v, validate_forward(q, k, v, causal, None, None, window)).modifiers.key == ""
+
+
 def _backends_running(feature: str) -> list[str]:
     """The registered backends that declare ``feature`` and run float32 CPU tensors here (Triton: in the
     interpreter); the others are covered by ``test_a_modifier_a_backend_lacks_is_named_in_its_reasons``."""

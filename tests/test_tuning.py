@@ -107,8 +107,9 @@ def test_problem_carries_seqlens_k():
         (True, (4096, 0), "window<=4096"),
         (True, (300, -20), "window<=512"),  # the band from 300 keys left of the diagonal to 20 keys left of it
         (False, (100, 100), "window<=256"),
-        (True, (10**9, 0), "window<=8192"),  # reaches no further than every key before the row: as (8191, 0)
-        (True, (8191, 0), "window<=8192"),
+        (True, (8190, 0), "window<=8192"),
+        (True, (8191, 0), ""),  # every key before the row: the causal call's own key
+        (True, (10**9, 0), ""),
         (False, (None, 50), "window<=16384"),  # every key before the row and 50 after it
         (False, (64, None), "window<=16384"),
         (True, None, ""),
@@ -116,13 +117,15 @@ def test_problem_carries_seqlens_k():
 )
 def test_the_tuning_key_holds_the_window_span_bucket(causal, window, key):
     """Windows of different spans keep their own tuned winners (a 256-key band leaves a 128-row block three key
-    tiles, a 4096-key one thirty-three); a side reaches at most as far as the score matrix does (N = 8192 here), so
-    windows with equal masks share a key."""
+    tiles, a 4096-key one thirty-three); a side reaches at most as far as the score matrix does (N = 8192 here), and
+    a window that hides no key is the call without it: no window flag, the plain key."""
     from attnzoo.kernels.launch import ScoreModifiers
 
     q = torch.randn(1, 2, 8192, 64)
     problem = attnzoo.validation.validate_forward(q, q, q, causal, None, None, window)
-    assert ScoreModifiers.of(problem, q.device, 64, 64).key == key
+    modifiers = ScoreModifiers.of(problem, q.device, 64, 64)
+    assert modifiers.key == key
+    assert (modifiers.flags["WINDOW_LEFT"] or modifiers.flags["WINDOW_RIGHT"]) == bool(key)
 
 
 def test_disk_cache_round_trip_and_merge(tuner, tmp_path):

@@ -216,7 +216,8 @@ class ScoreModifiers:
 
     The window becomes the band ``-left <= j - i' <= right``: causal caps the right side at 0, and a right bound that
     causal already implies (``right >= 0``) is dropped, so causal with ``window=(w, 0)`` adds only the left bound.
-    Sides are clamped to ``[-(Nq + Nk), Nq + Nk]``, which changes no mask and keeps the kernels' int32 sums exact.
+    A side that hides no key (``left >= Nk - 1``, ``right >= Nq - 1``) is dropped too.  Sides are clamped to
+    ``[-(Nq + Nk), Nq + Nk]``, which changes no mask and keeps the kernels' int32 sums exact.
     The soft cap ``c`` reaches the kernels as ``cap_in = 1 / (c * log2(e))`` and ``cap_out = c * log2(e)``, and SOFTCAP
     is 2 (hardware tanh, float16/bfloat16 on a GPU) or 1 (float32-exact tanh) (``common.softcap_scores``).
     ``alibi``: the slopes as float32 ``[B, H]`` (a stride-0 view for ``[H]``).
@@ -247,7 +248,10 @@ class ScoreModifiers:
             right = min(right, 0)
             if right == 0:
                 right = None  # causal's own bound
-        left_bounded, right_bounded = left is not None, right is not None
+        # The diagonals j - i' of the score matrix run from -(Nk - 1) to Nq - 1 (with seqlens_k too), so a side at or
+        # past the last one hides no key: it is dropped, and such a window runs (and is tuned) as the call without it.
+        left_bounded = left is not None and left < problem.seqlen_k - 1
+        right_bounded = right is not None and right < problem.seqlen_q - 1
         window_left = max(-bound, min(bound, left)) if left_bounded else 0
         window_right = max(-bound, min(bound, right)) if right_bounded else 0
         softcap = problem.softcap
@@ -272,11 +276,11 @@ class ScoreModifiers:
             WINDOW_RIGHT=right_bounded, SOFTCAP=softcap_mode, ALIBI=slopes is not None,
         )  # fmt: skip
         window_key = ""
-        if problem.window is not None:
+        if left_bounded or right_bounded:
             # The band's span (keys a row may see, less one) sets the K/V tiles per Q block, and with them the best
             # tiles: three for a 128-row block under a 256-key window, thirty-three under a 4096-key one.  Tuned
-            # winners are kept per power-of-two bucket of it, as per bucket of N.  The diagonals j - i' of the score
-            # matrix run from -(Nk - 1) to Nq - 1, so a side reaches that far at most: equal masks, equal keys.
+            # winners are kept per power-of-two bucket of it, as per bucket of N; an unbounded side reaches the last
+            # diagonal.
             left_reach = min(window_left, problem.seqlen_k - 1) if left_bounded else problem.seqlen_k - 1
             if right_bounded:
                 right_reach = min(window_right, problem.seqlen_q - 1)
