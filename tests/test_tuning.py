@@ -128,6 +128,20 @@ def test_the_tuning_key_holds_the_window_span_bucket(causal, window, key):
     assert (modifiers.flags["WINDOW_LEFT"] or modifiers.flags["WINDOW_RIGHT"]) == bool(key)
 
 
+@pytest.mark.parametrize("kernel", ["forward", "dq", "dkdv"])
+def test_the_untimed_pick_under_a_narrow_window_is_the_64_row_gluon_tile(tuner, monkeypatch, kernel):
+    """Head-dim tile 128, no stored winner: under a window of at most 256 keys the forward and dQ kernels take the
+    64x64 Gluon tile (the tuned winner at every w = 256 key of the H100's tuning), wider windows the usual pick."""
+    monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 232_448)  # an H100's
+    configs = tuning.candidates(kernel, 128, torch.bfloat16, torch.device("cpu"))
+    usual = str(tuning.heuristic_pick(kernel, 128, configs))
+    for modifiers, narrow in (("window<=128", True), ("window<=256 softcap", True), ("window<=512", False)):
+        key = (kernel, 128, torch.bfloat16, True, False, 2048, 2048, "ieee", modifiers, "", "", 0)
+        expected = "64x64 w4 s2 gluon" if narrow and kernel != "dkdv" else usual
+        assert str(tuning.launch_with_best(key, lambda: configs, lambda c: None)) == expected, modifiers
+        assert tuner.sources[key] == "heuristic"
+
+
 def test_disk_cache_round_trip_and_merge(tuner, tmp_path):
     cfg = KernelConfig(64, 64, 4, 3)
     tuner.store.save(H100, tuning.key_text(OFF_GRID_KEY), cfg)

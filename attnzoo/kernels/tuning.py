@@ -377,7 +377,8 @@ class Autotuner:
             if identity is not None:
                 self.store.save(identity, key_text(key), cfg)
             return cfg
-        cfg = heuristic_pick(key[0], key[1], configs, "softcap" in key_modifiers(key).split())
+        modifiers = key_modifiers(key)
+        cfg = heuristic_pick(key[0], key[1], configs, "softcap" in modifiers.split(), window_span(modifiers))
         self.best[key], self.sources[key] = cfg, "heuristic"
         return cfg
 
@@ -562,12 +563,32 @@ WIDE_HEURISTIC_ORDER: dict[str, tuple[str, ...]] = {
 # registers into spills.
 SOFTCAP_HEURISTIC_SKIPS: dict[str, tuple[str, ...]] = {"dkdv": ("128x64 w4 s2 gluon",)}
 
+# Head-dim tile 128 under a window of at most NARROW_WINDOW_SPAN keys (the tuning key's ``window<=`` bucket): a
+# 128-row block's band then covers three key tiles of 128, two of them cut by its edges, and the 64-row Gluon tiles
+# come first.  Tuned at w = 256 (bench/results/h100_window_tuning.log, fp16/bf16, N 4k-16k, causal), the 128x128
+# forward tile took 1.20-1.22x the 64x64 one's time and the 128x64 dQ tile 1.08-1.11x.
+NARROW_WINDOW_SPAN = 256
+NARROW_WINDOW_FIRST: dict[str, str] = {"forward": "64x64 w4 s2 gluon", "dq": "64x64 w4 s2 gluon"}
 
-def heuristic_pick(variant: str, block_d: int, configs: list[KernelConfig], softcap: bool = False) -> KernelConfig:
+
+def window_span(modifiers: str) -> int | None:
+    """The span bucket of a tuning key's window (``launch.ScoreModifiers.key``: ``window<=1024`` -> 1024), or None."""
+    for word in modifiers.split():
+        if word.startswith("window<="):
+            return int(word[len("window<=") :])
+    return None
+
+
+def heuristic_pick(
+    variant: str, block_d: int, configs: list[KernelConfig], softcap: bool = False, span: int | None = None
+) -> KernelConfig:
     """The untimed choice among ``configs`` (the call's fitting, in-scope candidates): see ``HEURISTIC_ORDER``.
-    ``softcap``: the call has a soft cap (``SOFTCAP_HEURISTIC_SKIPS``)."""
+    ``softcap``: the call has a soft cap (``SOFTCAP_HEURISTIC_SKIPS``); ``span``: its window's span bucket
+    (``NARROW_WINDOW_FIRST``)."""
     kernel = variant.split(":", 1)[0]
     order = WIDE_HEURISTIC_ORDER.get(kernel, ()) if block_d >= 256 else HEURISTIC_ORDER.get((kernel, block_d <= 64), ())
+    if block_d == 128 and span is not None and span <= NARROW_WINDOW_SPAN and kernel in NARROW_WINDOW_FIRST:
+        order = (NARROW_WINDOW_FIRST[kernel], *order)
     skips = SOFTCAP_HEURISTIC_SKIPS.get(kernel, ()) if softcap else ()
     for text in order:
         cfg = KernelConfig.parse(text)
