@@ -280,12 +280,9 @@ class ScoreModifiers:
             # The band's span (keys a row may see, less one) sets the K/V tiles per Q block, and with them the best
             # tiles: three for a 128-row block under a 256-key window, thirty-three under a 4096-key one.  Tuned
             # winners are kept per power-of-two bucket of it, as per bucket of N; an unbounded side reaches the last
-            # diagonal.
-            left_reach = min(window_left, problem.seqlen_k - 1) if left_bounded else problem.seqlen_k - 1
-            if right_bounded:
-                right_reach = min(window_right, problem.seqlen_q - 1)
-            else:
-                right_reach = 0 if problem.causal else problem.seqlen_q - 1
+            # diagonal (a bounded one stops before it, above).
+            left_reach = window_left if left_bounded else problem.seqlen_k - 1
+            right_reach = window_right if right_bounded else (0 if problem.causal else problem.seqlen_q - 1)
             window_key = f"window<={seqlen_bucket(max(left_reach + right_reach, 1))}"
         parts = [
             window_key,
