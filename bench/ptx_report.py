@@ -38,6 +38,8 @@ from attnzoo.kernels.tuning import CANDIDATES, KernelConfig, head_dim_tile
 
 KERNELS = {"forward": attention_forward_kernel, "dkdv": dkdv_kernel, "dq": dq_kernel, "atomic": atomic_backward_kernel}
 TARGET = GPUTarget("cuda", 90, 32)
+# The H100's shared memory per CTA (bytes; Triton's max_shared_mem there).
+H100_SHARED_MEMORY = 232_448
 DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32", "fp8": "fp8e4nv"}
 FLOAT32_POINTERS = ("lse_ptr", "lse2_ptr", "delta_ptr", "dk_acc_ptr", "dv_acc_ptr", "alibi_ptr", "descale_ptr")
 INT32_POINTERS = ("seqlens_ptr", "counts_ptr", "cu_seqlens_q", "cu_seqlens_k", "dq_locks_ptr")
@@ -183,13 +185,17 @@ def gluon_source(
         # max (an A/B's reference, on PYTHONPATH) has none and takes the flag.
         fixed = dtype == "bf16" and "alibi" not in modifiers
         softcap = forms.SOFTCAP_FIXED_MAX if fixed else forms.SOFTCAP_RUNNING_MAX
+    q_slots = 1
+    if kernel_name == "forward" and cfg.persistent and hasattr(forms, "persistent_q_slots"):
+        itemsize = 1 if fp8 else 2
+        q_slots = forms.persistent_q_slots(d, dv, cfg.block_n, cfg.num_stages, itemsize, H100_SHARED_MEMORY)
     flags = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=d_first, BLOCK_D2=d_second, BLOCK_DV=dv,
                  CAUSAL=causal, NUM_STAGES=cfg.num_stages, IS_FP16=dtype == "fp16", NUM_WARPGROUPS=cfg.block_m // 64,
                  WINDOW_LEFT="window" in modifiers, WINDOW_RIGHT=False, SOFTCAP=softcap,
                  ALIBI="alibi" in modifiers, PERSISTENT=cfg.persistent, VARLEN="varlen" in modifiers,
                  DESCALE=fp8, DQ_ATOMIC="dq_atomic" in modifiers, DQ_ORDERED="dq_ordered" in modifiers,
                  WARP_SPECIALIZED=warp_specialized, DQ_WRITER=writer,
-                 DQ_STAGE_SLOTS=dq_stage_slots(d, writer))  # fmt: skip
+                 DQ_STAGE_SLOTS=dq_stage_slots(d, writer), Q_SLOTS=q_slots)  # fmt: skip
     signature, constexprs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in flags:

@@ -229,16 +229,20 @@ def test_gluon_forward_at_head_dim_256(cfg):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_persistent_gluon_forward_runs_several_q_blocks_per_program(dtype):
     """More Q blocks than SMs, so that each persistent program runs several in turn: the K/V rings' slots and
-    phases carry from one block to the next and each block's Q rows are reloaded after the previous block's O left
-    through them.  Full, causal (blocks of different lengths, GQA) and windowed calls: o and lse within SPEC.md's
-    bound of the float64 oracle, every element written."""
+    phases carry from one block to the next, and each block's Q rows load into a set of Q slots (two at these head
+    dims, ``persistent_q_slots``) that an earlier block's O has left through, each set used at least twice.  Full,
+    causal (blocks of different lengths, GQA) and windowed calls: o and lse within SPEC.md's bound of the float64
+    oracle, every element written."""
+    from attnzoo.kernels.forward_gluon import persistent_q_slots
+
     _needs_hopper()
     cfg = tuning.KernelConfig.parse("128x128 w8 s2 gluon persistent")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for causal, window, N, D in ((False, None, 1000, 128), (True, None, 1536, 64), (True, (300, 0), 1100, 128)):
         B, H, Hkv = 3, 16, 4
         q_blocks = -(-N // 128) * B * H
-        assert q_blocks > 2 * sms  # at least two Q blocks per program
+        assert q_blocks > 2 * sms  # three Q blocks for some programs: their first set of Q slots serves twice
+        assert persistent_q_slots(D, D, 128, 2, dtype.itemsize, tuning.shared_memory_limit(torch.device(CUDA))) == 2
         x = random_inputs(B, H, Hkv, N, N, D, dtype=dtype, device=CUDA, seed=N + D)
         call = prepare(x.q, x.k, x.v, validate_forward(x.q, x.k, x.v, causal, window=window), forced={"forward": cfg})
         assert not call.gluon_reasons(KernelVariant.FORWARD), call.gluon_reasons(KernelVariant.FORWARD)

@@ -417,7 +417,7 @@ def test_gluon_candidates_are_tuned_only_where_the_gluon_kernel_runs(monkeypatch
     monkeypatch.setattr(tuning.AUTOTUNER, "choose", fake_choose)
     monkeypatch.setattr(tuning, "_launched", lambda cfg, launch, reset: True)
     monkeypatch.setattr(launch_module, "triton_interpreter_active", lambda: False)
-    monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 232_448)  # an H100's
+    monkeypatch.setattr(tuning, "shared_memory_limit", lambda device: 232_448)  # an H100's
     monkeypatch.setattr(tuning, "_device_identity", lambda index: None)
     for in_scope in (False, True):
         tuning.AUTOTUNER.best.clear()
@@ -659,18 +659,18 @@ def test_autotuner_compiles_every_candidate_before_timing_and_warms_up_the_first
 
 
 def test_candidates_pruned_by_shared_memory(monkeypatch):
-    monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 100_000)
+    monkeypatch.setattr(tuning, "shared_memory_limit", lambda device: 100_000)
     fitting = tuning.candidates("forward", 128, torch.float16, torch.device("cpu"))
     assert fitting and all(tuning.shared_memory_estimate("forward", c, 128, 2) <= 100_000 for c in fitting)
     assert len(fitting) < len(tuning.CANDIDATES["forward"])
-    monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 1)
+    monkeypatch.setattr(tuning, "shared_memory_limit", lambda device: 1)
     assert len(tuning.candidates("dkdv", 256, torch.float32, torch.device("cpu"))) == 1
 
 
 def test_gluon_configs_fit_by_the_exact_head_dims_where_the_gluon_kernel_runs(monkeypatch):
     """D = 192, Dv = 128: the Triton kernels' tile is 256 wide, the Gluon forward's tiles 128 + 64 (K) and 128 (V),
     so its 128 x 128 two-stage tile fits an H100's shared memory (213 KB) and the three-stage one does not."""
-    monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 232_448)  # an H100's
+    monkeypatch.setattr(tuning, "shared_memory_limit", lambda device: 232_448)  # an H100's
     two_stages, three_stages = KernelConfig.parse("128x128 w8 s2 gluon"), KernelConfig.parse("128x128 w8 s3 gluon")
     as_triton = tuning.candidates("forward", 256, torch.float16, torch.device("cpu"))
     as_gluon = tuning.candidates("forward", 256, torch.float16, torch.device("cpu"), gluon_head_dims=(192, 128))
@@ -678,15 +678,32 @@ def test_gluon_configs_fit_by_the_exact_head_dims_where_the_gluon_kernel_runs(mo
     assert [c for c in as_gluon if not c.gluon] == [c for c in as_triton if not c.gluon]
     assert tuning.shared_memory_estimate("forward", two_stages, 192, 2, 128) == 2 * (192 * (128 + 256) + 128 * 256)
     # D = 128, Dv = 64: O leaves through rows of its own (128 x 64), which the estimate counts.
-    monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 2 * (128 * 384 + 64 * 256) + 2 * 128 * 64 - 1)
+    monkeypatch.setattr(tuning, "shared_memory_limit", lambda device: 2 * (128 * 384 + 64 * 256) + 2 * 128 * 64 - 1)
     assert two_stages not in tuning.candidates("forward", 128, torch.float16, torch.device("cpu"), (128, 64))
+
+
+def test_a_persistent_block_holds_two_sets_of_q_rows_where_the_shared_memory_has_room():
+    """The persistent 128-row forward loads the next block's Q rows while it runs this one where a second set fits
+    beside the K/V rings (an H100's 232,448 bytes): D = 64 and 128 at two stages; not D = 128 at three stages (229 KB
+    with one set), D = 192 with Dv = 128 (213 KB) or D = 256 (197 KB at 64-key tiles)."""
+    from attnzoo.kernels.forward_gluon import persistent_q_slots
+
+    h100 = 232_448
+    assert persistent_q_slots(128, 128, 128, 2, 2, h100) == 2
+    assert persistent_q_slots(64, 64, 128, 2, 2, h100) == 2
+    assert persistent_q_slots(128, 128, 128, 3, 2, h100) == 1
+    assert persistent_q_slots(192, 128, 128, 2, 2, h100) == 1
+    assert persistent_q_slots(256, 256, 64, 2, 2, h100) == 1
+    # The bytes counted: two sets of Q rows (128 x 128), two K and two V tiles of 128 keys, the mbarriers.
+    assert persistent_q_slots(128, 128, 128, 2, 2, 2 * (2 * 128 * 128 + 2 * 128 * 256) + 1024) == 2
+    assert persistent_q_slots(128, 128, 128, 2, 2, 2 * (2 * 128 * 128 + 2 * 128 * 256) + 1023) == 1
 
 
 def test_wide_tiles_take_the_configs_timed_at_d192(monkeypatch):
     """Head-dim tile 256 (D = 192, 256): the untimed pick is the wide list's (timed at D = 192, Dv = 128; where
     Dv = 256 leaves those out of the shared memory, ptxas's ranking), and V's own tile (Dv = 128 at D = 192) is what
     the shared-memory estimate counts, so the 128 x 64 three-stage forward fits."""
-    monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 232_448)  # an H100's
+    monkeypatch.setattr(tuning, "shared_memory_limit", lambda device: 232_448)  # an H100's
     cpu, pick = torch.device("cpu"), tuning.heuristic_pick
 
     def triton_tiles(kernel, dv):  # outside the Gluon scope (D = 192; D = 256 off Hopper): the launcher's filter
@@ -785,7 +802,7 @@ def _gpu_launch_path_on_the_cpu(monkeypatch) -> PreparedCall:
     Gluon nor TMA is in scope) and no shared-memory pruning."""
     monkeypatch.setenv("ATTNZOO_AUTOTUNE", "0")
     monkeypatch.setattr(launch_module, "triton_interpreter_active", lambda: False)
-    monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 10**9)
+    monkeypatch.setattr(tuning, "shared_memory_limit", lambda device: 10**9)
     monkeypatch.setattr(tuning, "_device_identity", lambda index: None)
     monkeypatch.setattr(tuning, "AUTOTUNER", Autotuner())
     q = torch.randn(1, 1, 8, 16)

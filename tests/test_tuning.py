@@ -132,7 +132,7 @@ def test_the_tuning_key_holds_the_window_span_bucket(causal, window, key):
 def test_the_untimed_pick_under_a_narrow_window_is_the_64_row_gluon_tile(tuner, monkeypatch, kernel):
     """Head-dim tile 128, no stored winner: under a window of at most 256 keys the forward and dQ kernels take the
     64x64 Gluon tile (the tuned winner at every w = 256 key of the H100's tuning), wider windows the usual pick."""
-    monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 232_448)  # an H100's
+    monkeypatch.setattr(tuning, "shared_memory_limit", lambda device: 232_448)  # an H100's
     configs = tuning.candidates(kernel, 128, torch.bfloat16, torch.device("cpu"))
     usual = str(tuning.heuristic_pick(kernel, 128, configs))
     for modifiers, narrow in (("window<=128", True), ("window<=256 softcap", True), ("window<=512", False)):
@@ -325,7 +325,7 @@ def test_the_untimed_dkdv_pick_at_d64_is_the_128_row_gluon_tile_except_with_a_so
     kernel takes the Gluon tile of 128 query rows (within 8% of the winner at every dense key of the H100's tuning),
     but not with a soft cap, where it spills: the 64-row Gluon tile there; without Gluon, the Triton tile of the list.
     At tile 128 the pick stays the 64-row Gluon tile."""
-    monkeypatch.setattr(tuning, "_shared_memory_limit", lambda device: 232_448)  # an H100's
+    monkeypatch.setattr(tuning, "shared_memory_limit", lambda device: 232_448)  # an H100's
     configs = tuning.candidates("dkdv", 64, torch.float16, torch.device("cpu"))
     triton_only = [c for c in configs if not c.gluon]
     assert str(tuning.heuristic_pick("dkdv", 64, triton_only, softcap=True)) == "64x64 w4 s3"

@@ -29,10 +29,13 @@ its bytes have landed.  Two arrangements, by the number of warpgroups per Q bloc
   bf16; docs/design.md).
 
 The warp-specialised block also runs persistent (a ``persistent`` config): one program per SM takes the Q blocks
-``program_id + k * num_programs`` in turn, the rings' slot numbers running on across blocks.  Its producer loads a
-block's first K/V tile before that block's Q rows, and the Q rows only once the warpgroup has stored the previous
-block's O through them (a ``q_empty`` barrier), so the copies of one block overlap the epilogue of the last.  At
-N <= 2k a block has 1-16 K/V tiles, and the prologue and epilogue of a block per program weigh there.
+``program_id + k * num_programs`` in turn, the rings' slot numbers running on across blocks.  Where the shared
+memory holds two sets of Q rows per warpgroup (D <= 128 at two stages, ``persistent_q_slots``), the producer loads a
+block's Q rows into the set that the block before last has left (its O stored through them: a ``q_empty``
+barrier), before the block's first K/V tile, while the warpgroups still run the previous block; so a warpgroup goes
+from one block's epilogue to the next block's first product without waiting for a copy.  With one set, the Q rows
+load only once the warpgroup has stored the previous block's O through them, after the block's first K/V tile.  At
+N <= 2k, or in a window of 1024 keys, a block has 1-16 K/V tiles, and the prologue and epilogue of a block weigh.
 
 Scope (``KernelVariant.FORWARD.gluon_scope`` in ``launch.py`` says why a call runs ``forward.py``'s kernel
 instead): an sm_90 GPU, float16/bfloat16 (or FP8 inputs, DESCALE: ``attnzoo.attention_fp8`` at D = Dv = 64 or 128,
@@ -95,6 +98,7 @@ from .gluon_hopper import (
     zero_rows_from,
 )
 from .launch import sm_count
+from .tuning import shared_memory_limit
 
 # The kernel's own warps (the first warpgroup); a second warpgroup and the producer warp join as worker partitions.
 KERNEL_WARPS = 4
@@ -299,7 +303,8 @@ if gluon is not None:
         Tile ``j`` holds keys ``first_key + j * BLOCK_N ..``; tiles ``j < left_tiles`` (cut by the window's left
         edge) and ``j >= unmasked_tiles`` (the diagonal, the right edge, Nk) take the mask, the others none.  It is
         number ``kv_base + j`` of the K/V rings (a persistent program's earlier Q blocks used the numbers before), and
-        the Q rows arrive in phase ``q_phase`` of their barrier.  ``o_factor`` multiplies o (FP8's v factor, else 1).
+        the Q rows arrive in slot ``WARPGROUP + q_offset`` of the Q slots, in phase ``q_phase`` of its barrier (O
+        leaves through that slot where it leaves through Q's rows).  ``o_factor`` multiplies o (FP8's v factor, else 1).
         DESCALE (FP8 inputs): q, k, v and P in e4m3, o in bfloat16, V slots keys-contiguous (``_wait_v``), and
         ``qk_scale`` (times the q and k factors) of either sign (``_signed_scores``).
         ``modifiers = (window_left, window_right, cap_in, cap_out, slope2)``, each read only under its flag; with
@@ -317,8 +322,8 @@ if gluon is not None:
         """
         q_smem, q2_smem, k_ring, k2_ring, v_ring, o_smem, p_smem = smem
         q_bars, k_ready, v_ready, k_empty, v_empty = bars
-        (bh, _, head, kv_head, start_m, seqlen_q, seqlen_k,
-         first_key, left_tiles, unmasked_tiles, n_tiles, qk_scale, q_phase, kv_base, o_factor) = scalars  # fmt: skip
+        (bh, _, head, kv_head, start_m, seqlen_q, seqlen_k, first_key, left_tiles, unmasked_tiles, n_tiles,
+         qk_scale, q_phase, q_offset, kv_base, o_factor) = scalars  # fmt: skip
         window_left, window_right, cap_in, cap_out, slope2 = modifiers
         coord_batch, row_origin, key_origin, total_q, o_ptr, stride_o_row = packed
         FIXED_MAX: gl.constexpr = SOFTCAP == _SOFTCAP_FIXED_MAX
@@ -350,11 +355,12 @@ if gluon is not None:
         rows = start_m + gl.arange(0, ROWS, s_rows)
         local_keys = gl.arange(0, BLOCK_N, s_cols)
         alibi_local = slope2 * local_keys.to(gl.float32)
-        q_rows = q_smem.index(WARPGROUP)
-        mbarrier.wait(q_bars.index(WARPGROUP), q_phase)
+        q_slot = WARPGROUP + q_offset
+        q_rows = q_smem.index(q_slot)
+        mbarrier.wait(q_bars.index(q_slot), q_phase)
         q_tile = q_rows.reshape([ROWS, BLOCK_D])
         if BLOCK_D2 > 0:
-            q2_tile = q2_smem.index(WARPGROUP).reshape([ROWS, BLOCK_D2])
+            q2_tile = q2_smem.index(q_slot).reshape([ROWS, BLOCK_D2])
         else:
             q2_tile = q_tile  # not read
 
@@ -483,7 +489,10 @@ if gluon is not None:
         # O leaves through shared memory (this warpgroup's Q rows when Dv = D, which the products no longer read):
         # one TMA store (rows past Nq are dropped by the copy engine), or, for a slab that the end of a packed
         # sequence cuts, masked stores of its own rows.
-        o_slot = o_smem.index(WARPGROUP)
+        if BLOCK_DV == BLOCK_D and not DESCALE:  # O leaves through this block's Q rows (the kernel's o_smem)
+            o_slot = o_smem.index(q_slot)
+        else:
+            o_slot = o_smem.index(WARPGROUP)
         cta_barrier()  # every warp is past the waits of the products that read Q
         o_slot.reshape([ROWS, BLOCK_DV]).store(o_tile.to(O_DTYPE))
         fence_async_shared()
@@ -504,6 +513,21 @@ if gluon is not None:
         tma.store_wait(0)
 
     @gluon.jit
+    def _load_q_rows(q_desc, q2_desc, q_smem, q2_smem, q_bars, q_empty, batch, head, start_m, q_round,
+                     NUM_WARPGROUPS: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
+        """A persistent producer: each warpgroup's Q rows of round ``q_round`` into its slot of that round, once the
+        O of the slot's last round has left through it.  Slot ``w + NUM_WARPGROUPS * (r % Q_SLOTS)`` serves rounds
+        ``r, r + Q_SLOTS, ..``; an mbarrier starts as if its phase "-1" had completed, so its first wait passes."""
+        ROWS: gl.constexpr = q_desc.block_type.shape[2]
+        SLOTS: gl.constexpr = q_smem.type.shape[0]
+        Q_SLOTS: gl.constexpr = SLOTS // NUM_WARPGROUPS
+        offset = NUM_WARPGROUPS * (q_round % Q_SLOTS)
+        for w in gl.static_range(NUM_WARPGROUPS):
+            mbarrier.wait(q_empty.index(w + offset), ((q_round // Q_SLOTS) & 1) ^ 1)
+            _load_qk(q_desc, q2_desc, q_bars, q_smem, q2_smem, w + offset, batch, head, start_m + w * ROWS, True,
+                     SLOTS, SPLIT)  # fmt: skip
+
+    @gluon.jit
     def _load_tiles(
         q_desc, k_desc, q2_desc, k2_desc, v_desc, smem, bars, q_empty, batch, head, kv_head, start_m, first_key,
         n_tiles, kv_base, q_round, key_end, v_tail,
@@ -513,9 +537,11 @@ if gluon is not None:
         """The producer warp of the warp-specialised block: each warpgroup's Q rows, then K and V tile ``i`` (ring
         number ``kv_base + i``) into its slot as soon as every warpgroup has released the slot's previous tile.
 
-        PERSISTENT (Q block number ``q_round`` of this program): the Q rows of a warpgroup wait until it has stored
-        the previous block's O through them (``q_empty``), and they are loaded after the first K/V tile, so that
-        this tile's copy overlaps the previous block's epilogue.
+        PERSISTENT (Q block number ``q_round`` of this program): a warpgroup's Q rows of round ``r`` go into slot
+        ``w + NUM_WARPGROUPS * (r % Q_SLOTS)`` once it has stored the O of round ``r - Q_SLOTS`` through that slot
+        (``q_empty``).  With one slot per warpgroup that is the previous block's, so they are loaded after this
+        block's first K/V tile, whose copy then overlaps the previous block's epilogue; with two, before it, while
+        the warpgroups still run the previous block's last tiles.
 
         ``batch``, ``start_m`` and ``first_key`` are TMA coordinates (packed: 0 and rows of the whole tensor).
         VARLEN: a V tile that reaches past the sequence's last key ``key_end`` lands on ``v_tail`` instead; this warp
@@ -525,9 +551,13 @@ if gluon is not None:
         q_smem, q2_smem, k_ring, k2_ring, v_ring, _, _ = smem
         q_bars, k_ready, v_ready, k_empty, v_empty = bars
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
+        Q_SLOTS: gl.constexpr = q_smem.type.shape[0] // NUM_WARPGROUPS
         if not PERSISTENT:
             for w in gl.static_range(NUM_WARPGROUPS):
                 _load_qk(q_desc, q2_desc, q_bars, q_smem, q2_smem, w, batch, head, start_m + w * ROWS, True,
+                         NUM_WARPGROUPS, BLOCK_D2 > 0)  # fmt: skip
+        elif Q_SLOTS > 1:
+            _load_q_rows(q_desc, q2_desc, q_smem, q2_smem, q_bars, q_empty, batch, head, start_m, q_round,
                          NUM_WARPGROUPS, BLOCK_D2 > 0)  # fmt: skip
         for i in range(n_tiles):
             index = kv_base + i
@@ -548,11 +578,9 @@ if gluon is not None:
                 mbarrier.arrive(v_ready.index(slot))
             else:
                 _load_v(v_desc, v_ready, v_ring, index, batch, kv_head, key, True, NUM_STAGES, KEYS_INNER)
-            if PERSISTENT:  # noqa: SIM102 - a compile-time branch around a runtime one
+            if PERSISTENT and Q_SLOTS == 1:  # noqa: SIM102 - a compile-time branch around a runtime one
                 if i == 0:
-                    for w in gl.static_range(NUM_WARPGROUPS):
-                        mbarrier.wait(q_empty.index(w), (q_round & 1) ^ 1)
-                        _load_qk(q_desc, q2_desc, q_bars, q_smem, q2_smem, w, batch, head, start_m + w * ROWS, True,
+                    _load_q_rows(q_desc, q2_desc, q_smem, q2_smem, q_bars, q_empty, batch, head, start_m, q_round,
                                  NUM_WARPGROUPS, BLOCK_D2 > 0)  # fmt: skip
 
     @gluon.jit
@@ -626,22 +654,25 @@ if gluon is not None:
         WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
     ):  # fmt: skip
         """A persistent program's warpgroup ``WARPGROUP``: its rows of Q blocks ``program_id, program_id +
-        num_programs, ..``, one after the other, each as ``_attend_rows``; after a block's O has left through the Q
-        rows, an arrive on ``q_empty`` lets the producer load the next block's."""
+        num_programs, ..``, one after the other, each as ``_attend_rows``; after a block's O has left through its Q
+        slot, an arrive on the slot's ``q_empty`` lets the producer load a later block's rows into it (the next
+        block's, or with two slots per warpgroup the one after it: the next block's are already loading)."""
         window_left, window_right = problem[5], problem[6]
+        Q_SLOTS: gl.constexpr = smem[0].type.shape[0] // 2  # two warpgroups
         kv_base = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             q_round = (tile - gl.program_id(0)) // gl.num_programs(0)
+            q_offset = 2 * (q_round % Q_SLOTS)
             (bh, batch, head, kv_head, start_m, start, left_tiles, unmasked_tiles, n_tiles, slope2, seqlen_q,
              seqlen_k, packed) = q_block_tiles(_round_tile(tile, num_tiles, CAUSAL), problem, 128, BLOCK_N, CAUSAL,
                                           WINDOW_LEFT, WINDOW_RIGHT, ALIBI, False)  # fmt: skip
             scalars = (bh, batch, head, kv_head, start_m, seqlen_q, seqlen_k, start, left_tiles, unmasked_tiles,
-                       n_tiles, qk_scale, q_round & 1, kv_base, 1.0)  # fmt: skip
+                       n_tiles, qk_scale, (q_round // Q_SLOTS) & 1, q_offset, kv_base, 1.0)  # fmt: skip
             _attend_rows(k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars,
                          (window_left, window_right, cap_in, cap_out, slope2), packed,
                          WARPGROUP, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16, False,
                          WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, False, False)  # fmt: skip
-            mbarrier.arrive(q_empty.index(WARPGROUP))
+            mbarrier.arrive(q_empty.index(WARPGROUP + q_offset))
             kv_base += n_tiles
 
     @gluon.jit
@@ -675,7 +706,7 @@ if gluon is not None:
         BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr,
         CAUSAL: gl.constexpr, NUM_WARPGROUPS: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
         WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-        PERSISTENT: gl.constexpr, VARLEN: gl.constexpr, DESCALE: gl.constexpr,
+        PERSISTENT: gl.constexpr, VARLEN: gl.constexpr, DESCALE: gl.constexpr, Q_SLOTS: gl.constexpr,
     ):  # fmt: skip
         """o, lse of one Q block of NUM_WARPGROUPS * 64 rows of one (batch, head); grid: 1-d, ``num_tiles`` =
         num_m_blocks * B * H programs (as ``forward.py``); launched with 4 warps (the first warpgroup; the
@@ -723,10 +754,12 @@ if gluon is not None:
         else:
             o_factor = 1.0
 
-        q_smem = gl.allocate_shared_memory(DTYPE, [NUM_WARPGROUPS, 1, 1, ROWS, BLOCK_D], q_desc.layout)
+        gl.static_assert(Q_SLOTS == 1 or PERSISTENT, "a block per program loads its Q rows once")
+        # (PERSISTENT with Q_SLOTS = 2: each warpgroup's rows of the next block load while it runs this one.)
+        q_smem = gl.allocate_shared_memory(DTYPE, [NUM_WARPGROUPS * Q_SLOTS, 1, 1, ROWS, BLOCK_D], q_desc.layout)
         k_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
         if BLOCK_D2 > 0:
-            q2_smem = gl.allocate_shared_memory(DTYPE, [NUM_WARPGROUPS, 1, 1, ROWS, BLOCK_D2], q2_desc.layout)
+            q2_smem = gl.allocate_shared_memory(DTYPE, [NUM_WARPGROUPS * Q_SLOTS, 1, 1, ROWS, BLOCK_D2], q2_desc.layout)
             k2_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D2], k2_desc.layout)
         else:
             q2_smem = q_smem
@@ -746,13 +779,13 @@ if gluon is not None:
             p_smem = gl.allocate_shared_memory(DTYPE, [2 * NUM_WARPGROUPS, ROWS, BLOCK_N], p_layout)
         else:
             p_smem = q_smem  # not used
-        q_bars = gl.allocate_shared_memory(gl.int64, [NUM_WARPGROUPS, 1], mbarrier.MBarrierLayout())
+        q_bars = gl.allocate_shared_memory(gl.int64, [NUM_WARPGROUPS * Q_SLOTS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         if PERSISTENT:
-            q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WARPGROUPS, 1], mbarrier.MBarrierLayout())
+            q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WARPGROUPS * Q_SLOTS, 1], mbarrier.MBarrierLayout())
         else:
             q_empty = q_bars  # not used
         if VARLEN and NUM_WARPGROUPS == 2:
@@ -760,7 +793,7 @@ if gluon is not None:
             mbarrier.init(v_tail, count=1)
         else:
             v_tail = q_bars.index(0)  # not used
-        for w in gl.static_range(NUM_WARPGROUPS):
+        for w in gl.static_range(NUM_WARPGROUPS * Q_SLOTS):
             mbarrier.init(q_bars.index(w), count=1)
             if PERSISTENT:
                 mbarrier.init(q_empty.index(w), count=1)
@@ -787,6 +820,7 @@ if gluon is not None:
             n_tiles,
             qk_scale,
             0,  # q_phase
+            0,  # q_offset
             0,  # kv_base
             o_factor,
         )
@@ -847,7 +881,7 @@ if gluon is not None:
                 [232, 24],
             )  # fmt: skip
 
-        for w in gl.static_range(NUM_WARPGROUPS):
+        for w in gl.static_range(NUM_WARPGROUPS * Q_SLOTS):
             mbarrier.invalidate(q_bars.index(w))
             if PERSISTENT:
                 mbarrier.invalidate(q_empty.index(w))
@@ -870,6 +904,19 @@ def softcap_form(modifiers: ScoreModifiers, dtype: torch.dtype) -> int:
     if dtype == torch.bfloat16 and not modifiers.alibi and modifiers.cap_out <= FIXED_MAX_CAP_OUT:
         return SOFTCAP_FIXED_MAX
     return SOFTCAP_RUNNING_MAX
+
+
+def persistent_q_slots(d: int, dv: int, block_n: int, num_stages: int, itemsize: int, limit: int) -> int:
+    """Q slots per warpgroup of a persistent 128-row block: 2 where a second set of Q rows (the next block's, loading
+    while this one runs) fits the shared memory beside the K/V rings, else 1 (the next block's Q rows load only once
+    this block's O has left through them).  ``d`` is q's whole head dim (both column parts), ``limit`` the bytes a CTA
+    may hold."""
+    d_first = head_dim_parts(d)[0]
+    own_o = 128 * dv if dv != d_first else 0  # O leaves through rows of its own unless it has Q's first part's width
+    rings = block_n * num_stages * (d + dv)
+    barriers = 1024
+    two_slots = itemsize * (2 * 128 * d + rings + own_o) + barriers
+    return 2 if two_slots <= limit else 1
 
 
 def attention_forward_hopper(
@@ -898,7 +945,8 @@ def attention_forward_hopper(
     ``KernelVariant.FORWARD.gluon_scope`` (``launch.py``) checks.  ``block_m`` = 64 (one warpgroup, ``num_warps`` = 4)
     or 128 (two warpgroups, ``num_warps`` = 8, warp-specialised with a producer warp).  ``persistent`` (128 rows):
     one program per SM (fewer where there are fewer Q blocks) runs the Q blocks in turn, each block's first K/V tile
-    loading under the previous one's epilogue.
+    loading under the previous one's epilogue, and where the shared memory holds two sets of Q rows
+    (``persistent_q_slots``) its Q rows too.
 
     ``varlen = (cu_seqlens_q, cu_seqlens_k, B, search_steps)``: a packed batch (``launch.PreparedCall.varlen_args``),
     q ``[total_q, H, D]``, k ``[total_k, Hkv, D]``, v ``[total_k, Hkv, Dv]``, o ``[total_q, H, Dv]`` (contiguous),
@@ -942,6 +990,9 @@ def attention_forward_hopper(
         # The FP8 P V takes V K-major: boxes of the keys-contiguous [B, Hkv, Dv, Nk] view, Dv rows of BLOCK_N keys.
         v_desc = tile_descriptor(v.transpose(-1, -2), Dv, block_n)
     programs = min(num_tiles, sm_count(q.device)) if persistent else num_tiles
+    q_slots = 1
+    if persistent:
+        q_slots = persistent_q_slots(D, Dv, block_n, num_stages, q.element_size(), shared_memory_limit(q.device))
     compiled_launch.launch(
         attention_forward_hopper_kernel, (programs,), launch_key,
         q_desc, k_desc, q2_desc, k2_desc, v_desc, tile_descriptor(o, 64), lse,
@@ -951,5 +1002,5 @@ def attention_forward_hopper(
         NUM_WARPGROUPS=block_m // 64, NUM_STAGES=num_stages, IS_FP16=q.dtype == torch.float16,
         WINDOW_LEFT=modifiers.flags["WINDOW_LEFT"], WINDOW_RIGHT=modifiers.flags["WINDOW_RIGHT"],
         SOFTCAP=softcap_form(modifiers, q.dtype), ALIBI=modifiers.flags["ALIBI"], PERSISTENT=persistent,
-        VARLEN=varlen is not None, DESCALE=descale is not None, num_warps=KERNEL_WARPS,
+        VARLEN=varlen is not None, DESCALE=descale is not None, Q_SLOTS=q_slots, num_warps=KERNEL_WARPS,
     )  # fmt: skip

@@ -138,9 +138,10 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         # The 128-row tile that fits the shared memory at D = 256 (a 64 x 256 float32 O per warpgroup, held in the
         # 232-248 registers that setmaxnreg gives the consumers): 1.26-1.53x the 64-row tiles there (docs/design.md).
         KernelConfig(128, 64, 8, 2, gluon=True),
-        # Persistent: one program per SM runs Q blocks in turn, the next block's first K/V tile loading under this
-        # one's epilogue (short sequences, where a block has 1-8 K/V tiles and its prologue and epilogue weigh).
-        # On the H100 it won fp16 D=128 1k full (+2-4%) and D=192 full (+3%), and lost elsewhere (docs/design.md).
+        # Persistent: one program per SM runs Q blocks in turn, the next block's first K/V tile (and, where a second
+        # set of Q slots fits, its Q rows) loading under this one (short sequences and narrow windows, where a block
+        # has few K/V tiles and its prologue and epilogue weigh).  On the H100 it won every D = 128 key at N = 1k and
+        # 2k and every key of a 1024-key window, and D = 192 full (docs/design.md).
         KernelConfig(128, 128, 8, 2, gluon=True, persistent=True),
     ],
     # K/V-stationary dK/dV: BLOCK_N keys resident, BLOCK_M query rows streamed.
@@ -243,7 +244,8 @@ def _shared_memory_limit_of(index: int) -> int:
     return int(props["max_shared_mem"])
 
 
-def _shared_memory_limit(device: torch.device) -> int:
+def shared_memory_limit(device: torch.device) -> int:
+    """The shared memory one CTA may hold on ``device`` (bytes; Triton's ``max_shared_mem``)."""
     return _shared_memory_limit_of(device.index or 0)
 
 
@@ -277,7 +279,7 @@ def candidates(
     the call is in the Gluon kernel's scope: its tiles hold exactly D and Dv columns (192 as 128 + 64, not the Triton
     kernels' power-of-two tile of 256), and its configs fit by those."""
     configs = [c for c in CANDIDATES[kernel] if fits_head_dim(kernel, c, block_d)]
-    limit = _shared_memory_limit(device)
+    limit = shared_memory_limit(device)
     itemsize = dtype.itemsize
 
     def estimate(cfg: KernelConfig) -> int:
