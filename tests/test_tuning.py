@@ -256,7 +256,8 @@ def test_shipped_table_reads_back_from_the_logs(tmp_path):
     the packed keys' tuning, the FP8 bench, the short-forward and D = 256 runs, the dQ kernel's tuning, the D = 256
     forward's retune with the 128-row Gluon tile, the dK/dV kernel's retune, the packed D = 64 forward's retune, the
     atomic kernel's D = 64 retune with its warp-specialised five-product block, the soft cap's and the sliding windows'
-    keys), and its configs are all current candidates."""
+    keys, and the short and windowed forwards' retune with the persistent block's second set of Q slots), and its
+    configs are all current candidates."""
     shipped = json.loads((ROOT / "attnzoo" / "tuning_data" / "nvidia-h100-80gb-hbm3.json").read_text())
     sources = shipped["source"].split(", ")
     assert sources == [
@@ -280,6 +281,8 @@ def test_shipped_table_reads_back_from_the_logs(tmp_path):
         "h100_d256_wide_fp16.log",
         "h100_softcap_tuning.log",
         "h100_window_tuning.log",
+        "h100_short_fwd_q_slots.log",
+        "h100_window_tuning_q_slots.log",
     ]
     winners = tuning.write_shipped_table([ROOT / "bench" / "results" / s for s in sources], H100.name, tmp_path / "t")
     assert shipped["gpu"] == H100.name and shipped["winners"] == winners
@@ -291,7 +294,8 @@ def test_shipped_table_reads_back_from_the_logs(tmp_path):
     # packed keys), the dK/dV kernel's (dense keys, and at D = 64 packed ones with the 128-row tile) and the packed
     # D = 64 forward's; 24 soft-capped ones (forward, dq and dkdv at fp16/bf16, D = 128, N 4k and 16k, causal or
     # not) and 64 with a causal sliding window (forward, dq, dkdv and atomic at fp16/bf16, D = 128: spans 256 and 1024
-    # at N 4k-16k, 4096 at 8k and 16k).
+    # at N 4k-16k, 4096 at 8k and 16k).  The last two logs retune forward keys the table has (D = 128 at N 1k and 2k;
+    # the windows of 1024 keys).
     assert len(winners) == 362 and sum(" varlen" in key for key in winners) == 32
     assert sum("float8_e4m3fn" in key for key in winners) == 6 and sum("BLOCK_D=256" in key for key in winners) == 36
     assert sum(key.endswith(" softcap") for key in winners) == 24 and sum(" window<=" in key for key in winners) == 64
