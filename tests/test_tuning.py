@@ -129,15 +129,21 @@ def test_the_tuning_key_holds_the_window_span_bucket(causal, window, key):
 
 
 @pytest.mark.parametrize("kernel", ["forward", "dq", "dkdv"])
-def test_the_untimed_pick_under_a_narrow_window_is_the_64_row_gluon_tile(tuner, monkeypatch, kernel):
+def test_the_untimed_pick_under_a_window_follows_its_span(tuner, monkeypatch, kernel):
     """Head-dim tile 128, no stored winner: under a window of at most 256 keys the forward and dQ kernels take the
-    64x64 Gluon tile (the tuned winner at every w = 256 key of the H100's tuning), wider windows the usual pick."""
+    64x64 Gluon tile (the tuned winner at every w = 256 key of the H100's tuning); up to 1024 keys the forward takes
+    the persistent tile (the winner at every w = 1024 key); wider windows, and the other kernels, the usual pick."""
     monkeypatch.setattr(tuning, "shared_memory_limit", lambda device: 232_448)  # an H100's
     configs = tuning.candidates(kernel, 128, torch.bfloat16, torch.device("cpu"))
     usual = str(tuning.heuristic_pick(kernel, 128, configs))
-    for modifiers, narrow in (("window<=128", True), ("window<=256 softcap", True), ("window<=512", False)):
+    picks = {"narrow": "64x64 w4 s2 gluon" if kernel != "dkdv" else usual, "usual": usual}
+    picks["medium"] = "128x128 w8 s2 gluon persistent" if kernel == "forward" else usual
+    spans = (("window<=128", "narrow"), ("window<=256 softcap", "narrow"), ("window<=512", "medium"),
+             ("window<=1024", "medium"), ("window<=2048", "usual"))  # fmt: skip
+    assert usual != picks["medium"] or kernel != "forward"
+    for modifiers, span in spans:
         key = (kernel, 128, torch.bfloat16, True, False, 2048, 2048, "ieee", modifiers, "", "", 0)
-        expected = "64x64 w4 s2 gluon" if narrow and kernel != "dkdv" else usual
+        expected = picks[span]
         assert str(tuning.launch_with_best(key, lambda: configs, lambda c: None)) == expected, modifiers
         assert tuner.sources[key] == "heuristic"
 

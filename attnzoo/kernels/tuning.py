@@ -571,6 +571,15 @@ SOFTCAP_HEURISTIC_SKIPS: dict[str, tuple[str, ...]] = {"dkdv": ("128x64 w4 s2 gl
 # forward tile took 1.20-1.22x the 64x64 one's time and the 128x64 dQ tile 1.08-1.11x.
 NARROW_WINDOW_SPAN = 256
 NARROW_WINDOW_FIRST: dict[str, str] = {"forward": "64x64 w4 s2 gluon", "dq": "64x64 w4 s2 gluon"}
+# Above that and up to MEDIUM_WINDOW_SPAN keys a 128-row block's band covers a few more key tiles (9 at w = 1024),
+# still few enough for its prologue and epilogue to weigh, and the persistent forward comes first: it loads the next
+# block's Q rows and first K/V tile while this block runs.  Tuned at w = 1024 (fp16/bf16, N 4k-16k, causal), it won
+# all 6 forward keys, the 128x128 tile without persistence taking 1.11-1.14x its time on the H100
+# (bench/results/h100_window_tuning_q_slots.log) and 1.08-1.13x on an H200 (h200_window_tuning_q_slots.log), and
+# at w = 512 (bf16, 16k) 1.13x, the 64x64 tile 1.06x (h100_window_tuning_512_2048.log); at w = 4096 the tile
+# without persistence won, and at 2048 it came within 5%.
+MEDIUM_WINDOW_SPAN = 1024
+MEDIUM_WINDOW_FIRST: dict[str, str] = {"forward": "128x128 w8 s2 gluon persistent"}
 
 
 def window_span(modifiers: str) -> int | None:
@@ -586,11 +595,13 @@ def heuristic_pick(
 ) -> KernelConfig:
     """The untimed choice among ``configs`` (the call's fitting, in-scope candidates): see ``HEURISTIC_ORDER``.
     ``softcap``: the call has a soft cap (``SOFTCAP_HEURISTIC_SKIPS``); ``span``: its window's span bucket
-    (``NARROW_WINDOW_FIRST``)."""
+    (``NARROW_WINDOW_FIRST``, ``MEDIUM_WINDOW_FIRST``)."""
     kernel = variant.split(":", 1)[0]
     order = WIDE_HEURISTIC_ORDER.get(kernel, ()) if block_d >= 256 else HEURISTIC_ORDER.get((kernel, block_d <= 64), ())
     if block_d == 128 and span is not None and span <= NARROW_WINDOW_SPAN and kernel in NARROW_WINDOW_FIRST:
         order = (NARROW_WINDOW_FIRST[kernel], *order)
+    elif block_d == 128 and span is not None and span <= MEDIUM_WINDOW_SPAN and kernel in MEDIUM_WINDOW_FIRST:
+        order = (MEDIUM_WINDOW_FIRST[kernel], *order)
     skips = SOFTCAP_HEURISTIC_SKIPS.get(kernel, ()) if softcap else ()
     for text in order:
         cfg = KernelConfig.parse(text)
