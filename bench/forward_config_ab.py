@@ -4,11 +4,12 @@ timed beside it where it runs the call (no window).
 Each process imports attnzoo from one tree and times, per shape, the Gluon forward kernel called directly
 (``forward_gluon.attention_forward_hopper`` on a prepared call, as the GPU tests call it) at each ``--config``, as
 CUDA-graph replays (``triton.testing.do_bench_cudagraph``: kernel time, no host time) and as eager calls
-(``do_bench``, L2 cleared before each).  Shapes: fp16/bf16, D = 128, H = 16, B = 16384 / N; N = 1k and 2k with and
-without a causal mask, N = 16k causal, and causal sliding windows ``(w, 0)`` of 1024 keys at N = 4k and 16k and of
-4096 keys at 16k (bf16).  Processes of the trees alternate, the order reversed every other round; the table gives,
-per shape and config, the median replay time over the rounds in each tree and its ratio to the first tree's, and
-cuDNN's time over each tree's.
+(``do_bench``, L2 cleared before each).  Each config's o is compared with cuDNN's (windows: the first config's), and
+the run stops where they differ by more than ``MAX_DIFFERENCE``.  Shapes: fp16/bf16, D = 128, H = 16, B = 16384 / N;
+N = 1k and 2k with and without a causal mask, N = 16k causal, and causal sliding windows ``(w, 0)`` of 1024 keys at
+N = 4k and 16k and of 4096 keys at 16k (bf16). Processes of the trees alternate, the order reversed every other
+round; the table gives, per shape and config, the median replay time over the rounds in each tree and its ratio to
+the first tree's, and cuDNN's time over each tree's.
 
     python3 bench/forward_config_ab.py --tree before=scratch/main_tree --tree after=. \\
         --config "128x128 w8 s2 gluon persistent" --config "128x128 w8 s2 gluon" --rounds 3 --out $OUT/ab.jsonl
@@ -33,6 +34,8 @@ SHAPES = [
     ("bf16", 16384, True, (4096, 0)),
 ]
 D, H, TOKENS = 128, 16, 16384
+# o of unit-normal inputs: two correct 16-bit forwards differ by a few 1e-3 at most.
+MAX_DIFFERENCE = 2e-2
 
 
 def _shape_label(dtype: str, n: int, causal: bool, window) -> str:
@@ -58,7 +61,7 @@ def _time_tree(label: str, configs: list[str]) -> None:
         q, k, v = (torch.randn(TOKENS // n, H, n, D, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
         call = prepare(q, k, v, validate_forward(q, k, v, causal, window=window))
         row = dict(tree=label, shape=_shape_label(dtype_name, n, causal, window))
-        reference = None
+        reference = None  # o of cuDNN, or (windows) of the first config
         if window is None:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 run = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: B023, E731
@@ -79,8 +82,13 @@ def _time_tree(label: str, configs: list[str]) -> None:
             torch.cuda.synchronize()
             if not torch.isfinite(o).all():
                 raise SystemExit(f"{label} {text} {row['shape']}: o holds non-finite values")
-            if reference is not None:
-                row[f"{text} max|o - cudnn|"] = (o.float() - reference.float()).abs().max().item()
+            if reference is None:
+                reference = o.clone()
+            else:  # a wrong but finite o (a slot overwritten too early) stops the run
+                difference = (o.float() - reference.float()).abs().max().item()
+                row[f"{text} max|o - reference|"] = difference
+                if difference > MAX_DIFFERENCE:
+                    raise SystemExit(f"{label} {text} {row['shape']}: max |o - reference| = {difference:.3g}")
             row[text] = triton.testing.do_bench_cudagraph(run)
             row[f"{text} eager"] = triton.testing.do_bench(run, warmup=25, rep=100)
         print(json.dumps(row), flush=True)
@@ -106,15 +114,17 @@ def _table(rows: list[dict], trees: list[str], configs: list[str]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tree", action="append", required=True, help="label=path (two or more)")
+    parser.add_argument("--tree", action="append", help="label=path (two or more)")
     parser.add_argument("--config", action="append", required=True, help="a Gluon forward config ('128x128 w8 s2')")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", required=True, help="JSON lines of every process's timings")
-    parser.add_argument("--child", nargs=2, metavar=("LABEL", "PATH"), help=argparse.SUPPRESS)
+    parser.add_argument("--out", help="JSON lines of every process's timings")
+    parser.add_argument("--child", metavar="LABEL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _time_tree(args.child[0], args.config)
+        _time_tree(args.child, args.config)
         return
+    if not args.tree or len(args.tree) < 2 or not args.out:
+        parser.error("give two or more --tree label=path and --out")
     trees = [t.split("=", 1) for t in args.tree]
     rows = []
     with open(args.out, "w") as out:
@@ -122,7 +132,7 @@ def main() -> None:
             order = trees if round_index % 2 == 0 else trees[::-1]
             for label, path in order:
                 env = dict(os.environ, PYTHONPATH=os.path.abspath(path))
-                command = [sys.executable, __file__, "--child", label, path, "--out", args.out, "--tree", args.tree[0]]
+                command = [sys.executable, __file__, "--child", label]
                 for text in args.config:
                     command += ["--config", text]
                 done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)

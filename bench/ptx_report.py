@@ -185,17 +185,17 @@ def gluon_source(
         # max (an A/B's reference, on PYTHONPATH) has none and takes the flag.
         fixed = dtype == "bf16" and "alibi" not in modifiers
         softcap = forms.SOFTCAP_FIXED_MAX if fixed else forms.SOFTCAP_RUNNING_MAX
-    q_slots = 1
-    if kernel_name == "forward" and cfg.persistent and hasattr(forms, "persistent_q_slots"):
+    q_sets = 1
+    if kernel_name == "forward" and cfg.persistent and hasattr(forms, "persistent_q_sets"):
         itemsize = 1 if fp8 else 2
-        q_slots = forms.persistent_q_slots(d, dv, cfg.block_n, cfg.num_stages, itemsize, H100_SHARED_MEMORY)
+        q_sets = forms.persistent_q_sets(d, dv, cfg.block_n, cfg.num_stages, itemsize, H100_SHARED_MEMORY)
     flags = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=d_first, BLOCK_D2=d_second, BLOCK_DV=dv,
                  CAUSAL=causal, NUM_STAGES=cfg.num_stages, IS_FP16=dtype == "fp16", NUM_WARPGROUPS=cfg.block_m // 64,
                  WINDOW_LEFT="window" in modifiers, WINDOW_RIGHT=False, SOFTCAP=softcap,
                  ALIBI="alibi" in modifiers, PERSISTENT=cfg.persistent, VARLEN="varlen" in modifiers,
                  DESCALE=fp8, DQ_ATOMIC="dq_atomic" in modifiers, DQ_ORDERED="dq_ordered" in modifiers,
                  WARP_SPECIALIZED=warp_specialized, DQ_WRITER=writer,
-                 DQ_STAGE_SLOTS=dq_stage_slots(d, writer), Q_SLOTS=q_slots)  # fmt: skip
+                 DQ_STAGE_SLOTS=dq_stage_slots(d, writer), Q_SETS=q_sets)  # fmt: skip
     signature, constexprs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in flags:

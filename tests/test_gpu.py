@@ -226,27 +226,32 @@ def test_gluon_forward_at_head_dim_256(cfg):
     assert gluon_unavailable_reason() is None, gluon_unavailable_reason()
 
 
+@pytest.mark.parametrize("q_sets", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_persistent_gluon_forward_runs_several_q_blocks_per_program(dtype):
+def test_persistent_gluon_forward_runs_several_q_blocks_per_program(dtype, q_sets, monkeypatch):
     """More Q blocks than SMs, so that each persistent program runs several in turn: the K/V rings' slots and
-    phases carry from one block to the next, and each block's Q rows load into a set of Q slots (two at these head
-    dims, ``persistent_q_slots``) that an earlier block's O has left through, each set used at least twice.  Full,
-    causal (blocks of different lengths, GQA) and windowed calls: o and lse within SPEC.md's bound of the float64
-    oracle, every element written."""
-    from attnzoo.kernels.forward_gluon import persistent_q_slots
+    phases carry from one block to the next, and each block's Q rows load into its set of Q slots once an earlier
+    block's O has left through them: with one set (as at D = 192, where two do not fit) the previous block's, with
+    two (what D = 64 and 128 get, ``persistent_q_sets``) the block before it, the first set serving at least twice.
+    Full, causal (blocks of different lengths, GQA) and windowed calls: o and lse within SPEC.md's bound of the
+    float64 oracle, every element written."""
+    from attnzoo.kernels import forward_gluon
 
     _needs_hopper()
     cfg = tuning.KernelConfig.parse("128x128 w8 s2 gluon persistent")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    limit = tuning.shared_memory_limit(torch.device(CUDA))
     for causal, window, N, D in ((False, None, 1000, 128), (True, None, 1536, 64), (True, (300, 0), 1100, 128)):
         B, H, Hkv = 3, 16, 4
         q_blocks = -(-N // 128) * B * H
         assert q_blocks > 2 * sms  # three Q blocks for some programs: their first set of Q slots serves twice
-        assert persistent_q_slots(D, D, 128, 2, dtype.itemsize, tuning.shared_memory_limit(torch.device(CUDA))) == 2
+        assert forward_gluon.persistent_q_sets(D, D, 128, 2, dtype.itemsize, limit) == 2
+        monkeypatch.setattr(forward_gluon, "persistent_q_sets", lambda *shape_and_limit: q_sets)
         x = random_inputs(B, H, Hkv, N, N, D, dtype=dtype, device=CUDA, seed=N + D)
         call = prepare(x.q, x.k, x.v, validate_forward(x.q, x.k, x.v, causal, window=window), forced={"forward": cfg})
         assert not call.gluon_reasons(KernelVariant.FORWARD), call.gluon_reasons(KernelVariant.FORWARD)
         o, lse = attention_forward(call)
+        monkeypatch.undo()
         inputs = AttentionInputs(x.q, x.k, x.v, None, None)
         for name, check in oracle_for(inputs, causal, window=window, device=CUDA).check({"o": o, "lse": lse}).items():
             assert check.ok, f"{dtype} causal={causal} window={window} N={N} D={D}: {name}: {check.message}"

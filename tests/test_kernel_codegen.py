@@ -72,8 +72,9 @@ def test_the_gluon_kernels_keep_a_product_in_flight_during_the_softmax(kernel):
     The causal builds are checked: they hold the full builds' loop and the masked tiles' besides, in one register
     allocation (compiling the full builds too doubled this test's time, a sixth of the suite's).  The persistent forward
     keeps its loop over Q blocks at the 168-register limit of two warpgroups and a producer warp: this report's
-    plain ptxas run spills a few words of it with the causal mask (12/16 B), and Triton 3.9's own build (ptxas with
-    ``--regAllocOptLevel=2``) none."""
+    plain ptxas run spills a few words of it with the causal mask (16/24 B stored/loaded at D = 128 with two sets of
+    Q slots, 12/16 B with one; bench/results/ptx_persistent_q_sets_triton39.log), where Triton 3.9's own build of
+    the one-set loop (ptxas with ``--regAllocOptLevel=2``) spilled none."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     from attnzoo.kernels.tuning import CANDIDATES, fits_head_dim
 

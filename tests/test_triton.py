@@ -686,17 +686,17 @@ def test_a_persistent_block_holds_two_sets_of_q_rows_where_the_shared_memory_has
     """The persistent 128-row forward loads the next block's Q rows while it runs this one where a second set fits
     beside the K/V rings (an H100's 232,448 bytes): D = 64 and 128 at two stages; not D = 128 at three stages (229 KB
     with one set), D = 192 with Dv = 128 (213 KB) or D = 256 (197 KB at 64-key tiles)."""
-    from attnzoo.kernels.forward_gluon import persistent_q_slots
+    from attnzoo.kernels.forward_gluon import persistent_q_sets
 
     h100 = 232_448
-    assert persistent_q_slots(128, 128, 128, 2, 2, h100) == 2
-    assert persistent_q_slots(64, 64, 128, 2, 2, h100) == 2
-    assert persistent_q_slots(128, 128, 128, 3, 2, h100) == 1
-    assert persistent_q_slots(192, 128, 128, 2, 2, h100) == 1
-    assert persistent_q_slots(256, 256, 64, 2, 2, h100) == 1
+    assert persistent_q_sets(128, 128, 128, 2, 2, h100) == 2
+    assert persistent_q_sets(64, 64, 128, 2, 2, h100) == 2
+    assert persistent_q_sets(128, 128, 128, 3, 2, h100) == 1
+    assert persistent_q_sets(192, 128, 128, 2, 2, h100) == 1
+    assert persistent_q_sets(256, 256, 64, 2, 2, h100) == 1
     # The bytes counted: two sets of Q rows (128 x 128), two K and two V tiles of 128 keys, the mbarriers.
-    assert persistent_q_slots(128, 128, 128, 2, 2, 2 * (2 * 128 * 128 + 2 * 128 * 256) + 1024) == 2
-    assert persistent_q_slots(128, 128, 128, 2, 2, 2 * (2 * 128 * 128 + 2 * 128 * 256) + 1023) == 1
+    assert persistent_q_sets(128, 128, 128, 2, 2, 2 * (2 * 128 * 128 + 2 * 128 * 256) + 1024) == 2
+    assert persistent_q_sets(128, 128, 128, 2, 2, 2 * (2 * 128 * 128 + 2 * 128 * 256) + 1023) == 1
 
 
 def test_wide_tiles_take_the_configs_timed_at_d192(monkeypatch):

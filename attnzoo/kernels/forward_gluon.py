@@ -30,11 +30,12 @@ its bytes have landed.  Two arrangements, by the number of warpgroups per Q bloc
 
 The warp-specialised block also runs persistent (a ``persistent`` config): one program per SM takes the Q blocks
 ``program_id + k * num_programs`` in turn, the rings' slot numbers running on across blocks.  Where the shared
-memory holds two sets of Q rows per warpgroup (D <= 128 at two stages, ``persistent_q_slots``), the producer loads a
-block's Q rows into the set that the block before last has left (its O stored through them: a ``q_empty``
-barrier), before the block's first K/V tile, while the warpgroups still run the previous block; so a warpgroup goes
-from one block's epilogue to the next block's first product without waiting for a copy.  With one set, the Q rows
-load only once the warpgroup has stored the previous block's O through them, after the block's first K/V tile.  At
+memory holds two sets of Q slots, one slot a warpgroup each (``persistent_q_sets``: among the candidates, D = 64 and 128
+at two stages), the producer loads a block's Q rows into the set that the block before last has left (its O stored
+through them: a ``q_empty`` barrier per slot), before the block's first K/V tile, while the warpgroups still run the
+previous block; so a warpgroup goes from one block's epilogue to the next block's first product without waiting for
+a copy.  With one set, the Q rows load only once the warpgroup has stored the previous block's O through them,
+after the block's first K/V tile.  At
 N <= 2k, or in a window of 1024 keys, a block has 1-16 K/V tiles, and the prologue and epilogue of a block weigh.
 
 Scope (``KernelVariant.FORWARD.gluon_scope`` in ``launch.py`` says why a call runs ``forward.py``'s kernel
@@ -303,8 +304,9 @@ if gluon is not None:
         Tile ``j`` holds keys ``first_key + j * BLOCK_N ..``; tiles ``j < left_tiles`` (cut by the window's left
         edge) and ``j >= unmasked_tiles`` (the diagonal, the right edge, Nk) take the mask, the others none.  It is
         number ``kv_base + j`` of the K/V rings (a persistent program's earlier Q blocks used the numbers before), and
-        the Q rows arrive in slot ``WARPGROUP + q_offset`` of the Q slots, in phase ``q_phase`` of its barrier (O
-        leaves through that slot where it leaves through Q's rows).  ``o_factor`` multiplies o (FP8's v factor, else 1).
+        the Q rows arrive in Q slot ``WARPGROUP + q_set_base`` (``q_set_base``: the first slot of the block's set of
+        Q slots, 0 but in a persistent program's second set), in phase ``q_phase`` of its barrier; O leaves through
+        that slot where it leaves through Q's rows.  ``o_factor`` multiplies o (FP8's v factor, else 1).
         DESCALE (FP8 inputs): q, k, v and P in e4m3, o in bfloat16, V slots keys-contiguous (``_wait_v``), and
         ``qk_scale`` (times the q and k factors) of either sign (``_signed_scores``).
         ``modifiers = (window_left, window_right, cap_in, cap_out, slope2)``, each read only under its flag; with
@@ -323,7 +325,7 @@ if gluon is not None:
         q_smem, q2_smem, k_ring, k2_ring, v_ring, o_smem, p_smem = smem
         q_bars, k_ready, v_ready, k_empty, v_empty = bars
         (bh, _, head, kv_head, start_m, seqlen_q, seqlen_k, first_key, left_tiles, unmasked_tiles, n_tiles,
-         qk_scale, q_phase, q_offset, kv_base, o_factor) = scalars  # fmt: skip
+         qk_scale, q_phase, q_set_base, kv_base, o_factor) = scalars  # fmt: skip
         window_left, window_right, cap_in, cap_out, slope2 = modifiers
         coord_batch, row_origin, key_origin, total_q, o_ptr, stride_o_row = packed
         FIXED_MAX: gl.constexpr = SOFTCAP == _SOFTCAP_FIXED_MAX
@@ -355,7 +357,7 @@ if gluon is not None:
         rows = start_m + gl.arange(0, ROWS, s_rows)
         local_keys = gl.arange(0, BLOCK_N, s_cols)
         alibi_local = slope2 * local_keys.to(gl.float32)
-        q_slot = WARPGROUP + q_offset
+        q_slot = WARPGROUP + q_set_base
         q_rows = q_smem.index(q_slot)
         mbarrier.wait(q_bars.index(q_slot), q_phase)
         q_tile = q_rows.reshape([ROWS, BLOCK_D])
@@ -489,9 +491,9 @@ if gluon is not None:
         # O leaves through shared memory (this warpgroup's Q rows when Dv = D, which the products no longer read):
         # one TMA store (rows past Nq are dropped by the copy engine), or, for a slab that the end of a packed
         # sequence cuts, masked stores of its own rows.
-        if BLOCK_DV == BLOCK_D and not DESCALE:  # O leaves through this block's Q rows (the kernel's o_smem)
+        if BLOCK_DV == BLOCK_D and not DESCALE:  # o_smem is q_smem (the kernel's allocation): this block's Q slot
             o_slot = o_smem.index(q_slot)
-        else:
+        else:  # O's own slots, one a warpgroup
             o_slot = o_smem.index(WARPGROUP)
         cta_barrier()  # every warp is past the waits of the products that read Q
         o_slot.reshape([ROWS, BLOCK_DV]).store(o_tile.to(O_DTYPE))
@@ -516,16 +518,17 @@ if gluon is not None:
     def _load_q_rows(q_desc, q2_desc, q_smem, q2_smem, q_bars, q_empty, batch, head, start_m, q_round,
                      NUM_WARPGROUPS: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
         """A persistent producer: each warpgroup's Q rows of round ``q_round`` into its slot of that round, once the
-        O of the slot's last round has left through it.  Slot ``w + NUM_WARPGROUPS * (r % Q_SLOTS)`` serves rounds
-        ``r, r + Q_SLOTS, ..``; an mbarrier starts as if its phase "-1" had completed, so its first wait passes."""
+        O of the slot's last round has left through it.  Warpgroup ``w``'s slot ``w + NUM_WARPGROUPS * (r % Q_SETS)``
+        serves rounds ``r, r + Q_SETS, ..``, so its ``n``-th use is round ``n * Q_SETS + r % Q_SETS`` and waits for
+        phase ``n - 1`` of its ``q_empty`` barrier (an mbarrier starts as if phase "-1" had completed)."""
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
-        SLOTS: gl.constexpr = q_smem.type.shape[0]
-        Q_SLOTS: gl.constexpr = SLOTS // NUM_WARPGROUPS
-        offset = NUM_WARPGROUPS * (q_round % Q_SLOTS)
+        TOTAL_SLOTS: gl.constexpr = q_smem.type.shape[0]
+        Q_SETS: gl.constexpr = TOTAL_SLOTS // NUM_WARPGROUPS
+        set_base = NUM_WARPGROUPS * (q_round % Q_SETS)
         for w in gl.static_range(NUM_WARPGROUPS):
-            mbarrier.wait(q_empty.index(w + offset), ((q_round // Q_SLOTS) & 1) ^ 1)
-            _load_qk(q_desc, q2_desc, q_bars, q_smem, q2_smem, w + offset, batch, head, start_m + w * ROWS, True,
-                     SLOTS, SPLIT)  # fmt: skip
+            mbarrier.wait(q_empty.index(w + set_base), ((q_round // Q_SETS) & 1) ^ 1)
+            _load_qk(q_desc, q2_desc, q_bars, q_smem, q2_smem, w + set_base, batch, head, start_m + w * ROWS, True,
+                     TOTAL_SLOTS, SPLIT)  # fmt: skip
 
     @gluon.jit
     def _load_tiles(
@@ -538,7 +541,7 @@ if gluon is not None:
         number ``kv_base + i``) into its slot as soon as every warpgroup has released the slot's previous tile.
 
         PERSISTENT (Q block number ``q_round`` of this program): a warpgroup's Q rows of round ``r`` go into slot
-        ``w + NUM_WARPGROUPS * (r % Q_SLOTS)`` once it has stored the O of round ``r - Q_SLOTS`` through that slot
+        ``w + NUM_WARPGROUPS * (r % Q_SETS)`` once it has stored the O of round ``r - Q_SETS`` through that slot
         (``q_empty``).  With one slot per warpgroup that is the previous block's, so they are loaded after this
         block's first K/V tile, whose copy then overlaps the previous block's epilogue; with two, before it, while
         the warpgroups still run the previous block's last tiles.
@@ -551,12 +554,12 @@ if gluon is not None:
         q_smem, q2_smem, k_ring, k2_ring, v_ring, _, _ = smem
         q_bars, k_ready, v_ready, k_empty, v_empty = bars
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
-        Q_SLOTS: gl.constexpr = q_smem.type.shape[0] // NUM_WARPGROUPS
+        Q_SETS: gl.constexpr = q_smem.type.shape[0] // NUM_WARPGROUPS
         if not PERSISTENT:
             for w in gl.static_range(NUM_WARPGROUPS):
                 _load_qk(q_desc, q2_desc, q_bars, q_smem, q2_smem, w, batch, head, start_m + w * ROWS, True,
                          NUM_WARPGROUPS, BLOCK_D2 > 0)  # fmt: skip
-        elif Q_SLOTS > 1:
+        elif Q_SETS > 1:
             _load_q_rows(q_desc, q2_desc, q_smem, q2_smem, q_bars, q_empty, batch, head, start_m, q_round,
                          NUM_WARPGROUPS, BLOCK_D2 > 0)  # fmt: skip
         for i in range(n_tiles):
@@ -578,7 +581,7 @@ if gluon is not None:
                 mbarrier.arrive(v_ready.index(slot))
             else:
                 _load_v(v_desc, v_ready, v_ring, index, batch, kv_head, key, True, NUM_STAGES, KEYS_INNER)
-            if PERSISTENT and Q_SLOTS == 1:  # noqa: SIM102 - a compile-time branch around a runtime one
+            if PERSISTENT and Q_SETS == 1:  # noqa: SIM102 - a compile-time branch around a runtime one
                 if i == 0:
                     _load_q_rows(q_desc, q2_desc, q_smem, q2_smem, q_bars, q_empty, batch, head, start_m, q_round,
                                  NUM_WARPGROUPS, BLOCK_D2 > 0)  # fmt: skip
@@ -658,21 +661,21 @@ if gluon is not None:
         slot, an arrive on the slot's ``q_empty`` lets the producer load a later block's rows into it (the next
         block's, or with two slots per warpgroup the one after it: the next block's are already loading)."""
         window_left, window_right = problem[5], problem[6]
-        Q_SLOTS: gl.constexpr = smem[0].type.shape[0] // 2  # two warpgroups
+        Q_SETS: gl.constexpr = smem[0].type.shape[0] // 2  # (a persistent block has two warpgroups)
         kv_base = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             q_round = (tile - gl.program_id(0)) // gl.num_programs(0)
-            q_offset = 2 * (q_round % Q_SLOTS)
+            q_set_base = 2 * (q_round % Q_SETS)  # the first slot of this round's set
             (bh, batch, head, kv_head, start_m, start, left_tiles, unmasked_tiles, n_tiles, slope2, seqlen_q,
              seqlen_k, packed) = q_block_tiles(_round_tile(tile, num_tiles, CAUSAL), problem, 128, BLOCK_N, CAUSAL,
                                           WINDOW_LEFT, WINDOW_RIGHT, ALIBI, False)  # fmt: skip
             scalars = (bh, batch, head, kv_head, start_m, seqlen_q, seqlen_k, start, left_tiles, unmasked_tiles,
-                       n_tiles, qk_scale, (q_round // Q_SLOTS) & 1, q_offset, kv_base, 1.0)  # fmt: skip
+                       n_tiles, qk_scale, (q_round // Q_SETS) & 1, q_set_base, kv_base, 1.0)  # fmt: skip
             _attend_rows(k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars,
                          (window_left, window_right, cap_in, cap_out, slope2), packed,
                          WARPGROUP, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16, False,
                          WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, False, False)  # fmt: skip
-            mbarrier.arrive(q_empty.index(WARPGROUP + q_offset))
+            mbarrier.arrive(q_empty.index(WARPGROUP + q_set_base))
             kv_base += n_tiles
 
     @gluon.jit
@@ -706,13 +709,14 @@ if gluon is not None:
         BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr,
         CAUSAL: gl.constexpr, NUM_WARPGROUPS: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
         WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-        PERSISTENT: gl.constexpr, VARLEN: gl.constexpr, DESCALE: gl.constexpr, Q_SLOTS: gl.constexpr,
+        PERSISTENT: gl.constexpr, VARLEN: gl.constexpr, DESCALE: gl.constexpr, Q_SETS: gl.constexpr,
     ):  # fmt: skip
         """o, lse of one Q block of NUM_WARPGROUPS * 64 rows of one (batch, head); grid: 1-d, ``num_tiles`` =
         num_m_blocks * B * H programs (as ``forward.py``); launched with 4 warps (the first warpgroup; the
         warp-specialised block adds the second warpgroup and the producer warp as worker partitions).  PERSISTENT
         (warp-specialised blocks only): fewer programs, each running Q blocks ``program_id + k * num_programs`` in
-        turn, the K/V rings' slots and phases carried from one block to the next.
+        turn, the K/V rings' slots and phases carried from one block to the next, with Q_SETS (1 or 2,
+        ``persistent_q_sets``) sets of Q slots: with 2, the next block's Q rows load while this block runs.
 
         Descriptors are 4-d over ``[B, H, N, D]``, with ``[1, 1, 64, D]`` boxes for q/o and ``[1, 1, BLOCK_N, D]``
         for k/v (v and o: ``Dv`` = BLOCK_DV for D): a box past N reads zeros and a store past Nq is dropped, so the
@@ -754,12 +758,12 @@ if gluon is not None:
         else:
             o_factor = 1.0
 
-        gl.static_assert(Q_SLOTS == 1 or PERSISTENT, "a block per program loads its Q rows once")
-        # (PERSISTENT with Q_SLOTS = 2: each warpgroup's rows of the next block load while it runs this one.)
-        q_smem = gl.allocate_shared_memory(DTYPE, [NUM_WARPGROUPS * Q_SLOTS, 1, 1, ROWS, BLOCK_D], q_desc.layout)
+        gl.static_assert(Q_SETS == 1 or PERSISTENT, "a block per program loads its Q rows once")
+        # Q_SETS sets of Q slots, one slot a warpgroup each: a persistent program's block r uses set r % Q_SETS.
+        q_smem = gl.allocate_shared_memory(DTYPE, [NUM_WARPGROUPS * Q_SETS, 1, 1, ROWS, BLOCK_D], q_desc.layout)
         k_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
         if BLOCK_D2 > 0:
-            q2_smem = gl.allocate_shared_memory(DTYPE, [NUM_WARPGROUPS * Q_SLOTS, 1, 1, ROWS, BLOCK_D2], q2_desc.layout)
+            q2_smem = gl.allocate_shared_memory(DTYPE, [NUM_WARPGROUPS * Q_SETS, 1, 1, ROWS, BLOCK_D2], q2_desc.layout)
             k2_ring = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D2], k2_desc.layout)
         else:
             q2_smem = q_smem
@@ -779,13 +783,13 @@ if gluon is not None:
             p_smem = gl.allocate_shared_memory(DTYPE, [2 * NUM_WARPGROUPS, ROWS, BLOCK_N], p_layout)
         else:
             p_smem = q_smem  # not used
-        q_bars = gl.allocate_shared_memory(gl.int64, [NUM_WARPGROUPS * Q_SLOTS, 1], mbarrier.MBarrierLayout())
+        q_bars = gl.allocate_shared_memory(gl.int64, [NUM_WARPGROUPS * Q_SETS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         if PERSISTENT:
-            q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WARPGROUPS * Q_SLOTS, 1], mbarrier.MBarrierLayout())
+            q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WARPGROUPS * Q_SETS, 1], mbarrier.MBarrierLayout())
         else:
             q_empty = q_bars  # not used
         if VARLEN and NUM_WARPGROUPS == 2:
@@ -793,7 +797,7 @@ if gluon is not None:
             mbarrier.init(v_tail, count=1)
         else:
             v_tail = q_bars.index(0)  # not used
-        for w in gl.static_range(NUM_WARPGROUPS * Q_SLOTS):
+        for w in gl.static_range(NUM_WARPGROUPS * Q_SETS):
             mbarrier.init(q_bars.index(w), count=1)
             if PERSISTENT:
                 mbarrier.init(q_empty.index(w), count=1)
@@ -820,7 +824,7 @@ if gluon is not None:
             n_tiles,
             qk_scale,
             0,  # q_phase
-            0,  # q_offset
+            0,  # q_set_base
             0,  # kv_base
             o_factor,
         )
@@ -881,7 +885,7 @@ if gluon is not None:
                 [232, 24],
             )  # fmt: skip
 
-        for w in gl.static_range(NUM_WARPGROUPS * Q_SLOTS):
+        for w in gl.static_range(NUM_WARPGROUPS * Q_SETS):
             mbarrier.invalidate(q_bars.index(w))
             if PERSISTENT:
                 mbarrier.invalidate(q_empty.index(w))
@@ -906,17 +910,17 @@ def softcap_form(modifiers: ScoreModifiers, dtype: torch.dtype) -> int:
     return SOFTCAP_RUNNING_MAX
 
 
-def persistent_q_slots(d: int, dv: int, block_n: int, num_stages: int, itemsize: int, limit: int) -> int:
-    """Q slots per warpgroup of a persistent 128-row block: 2 where a second set of Q rows (the next block's, loading
-    while this one runs) fits the shared memory beside the K/V rings, else 1 (the next block's Q rows load only once
-    this block's O has left through them).  ``d`` is q's whole head dim (both column parts), ``limit`` the bytes a CTA
-    may hold."""
+def persistent_q_sets(d: int, dv: int, block_n: int, num_stages: int, itemsize: int, limit: int) -> int:
+    """Sets of Q slots (one slot a warpgroup each) of a persistent 128-row block: 2 where a second set (the next
+    block's Q rows, loading while this one runs) fits the shared memory beside the K/V rings, else 1 (the next
+    block's Q rows load only once this block's O has left through them).  ``d`` is q's whole head dim (both column
+    parts), ``limit`` the bytes a CTA may hold."""
     d_first = head_dim_parts(d)[0]
     own_o = 128 * dv if dv != d_first else 0  # O leaves through rows of its own unless it has Q's first part's width
     rings = block_n * num_stages * (d + dv)
-    barriers = 1024
-    two_slots = itemsize * (2 * 128 * d + rings + own_o) + barriers
-    return 2 if two_slots <= limit else 1
+    overhead = 1024  # the mbarriers (about 130 B), what the partitions are passed, alignment
+    two_sets = itemsize * (2 * 128 * d + rings + own_o) + overhead
+    return 2 if two_sets <= limit else 1
 
 
 def attention_forward_hopper(
@@ -946,7 +950,7 @@ def attention_forward_hopper(
     or 128 (two warpgroups, ``num_warps`` = 8, warp-specialised with a producer warp).  ``persistent`` (128 rows):
     one program per SM (fewer where there are fewer Q blocks) runs the Q blocks in turn, each block's first K/V tile
     loading under the previous one's epilogue, and where the shared memory holds two sets of Q rows
-    (``persistent_q_slots``) its Q rows too.
+    (``persistent_q_sets``) its Q rows too.
 
     ``varlen = (cu_seqlens_q, cu_seqlens_k, B, search_steps)``: a packed batch (``launch.PreparedCall.varlen_args``),
     q ``[total_q, H, D]``, k ``[total_k, Hkv, D]``, v ``[total_k, Hkv, Dv]``, o ``[total_q, H, Dv]`` (contiguous),
@@ -990,9 +994,9 @@ def attention_forward_hopper(
         # The FP8 P V takes V K-major: boxes of the keys-contiguous [B, Hkv, Dv, Nk] view, Dv rows of BLOCK_N keys.
         v_desc = tile_descriptor(v.transpose(-1, -2), Dv, block_n)
     programs = min(num_tiles, sm_count(q.device)) if persistent else num_tiles
-    q_slots = 1
+    q_sets = 1
     if persistent:
-        q_slots = persistent_q_slots(D, Dv, block_n, num_stages, q.element_size(), shared_memory_limit(q.device))
+        q_sets = persistent_q_sets(D, Dv, block_n, num_stages, q.element_size(), shared_memory_limit(q.device))
     compiled_launch.launch(
         attention_forward_hopper_kernel, (programs,), launch_key,
         q_desc, k_desc, q2_desc, k2_desc, v_desc, tile_descriptor(o, 64), lse,
@@ -1002,5 +1006,5 @@ def attention_forward_hopper(
         NUM_WARPGROUPS=block_m // 64, NUM_STAGES=num_stages, IS_FP16=q.dtype == torch.float16,
         WINDOW_LEFT=modifiers.flags["WINDOW_LEFT"], WINDOW_RIGHT=modifiers.flags["WINDOW_RIGHT"],
         SOFTCAP=softcap_form(modifiers, q.dtype), ALIBI=modifiers.flags["ALIBI"], PERSISTENT=persistent,
-        VARLEN=varlen is not None, DESCALE=descale is not None, Q_SLOTS=q_slots, num_warps=KERNEL_WARPS,
+        VARLEN=varlen is not None, DESCALE=descale is not None, Q_SETS=q_sets, num_warps=KERNEL_WARPS,
     )  # fmt: skip

@@ -139,9 +139,9 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
         # 232-248 registers that setmaxnreg gives the consumers): 1.26-1.53x the 64-row tiles there (docs/design.md).
         KernelConfig(128, 64, 8, 2, gluon=True),
         # Persistent: one program per SM runs Q blocks in turn, the next block's first K/V tile (and, where a second
-        # set of Q slots fits, its Q rows) loading under this one (short sequences and narrow windows, where a block
-        # has few K/V tiles and its prologue and epilogue weigh).  On the H100 it won every D = 128 key at N = 1k and
-        # 2k and every key of a 1024-key window, and D = 192 full (docs/design.md).
+        # set of Q slots fits, its Q rows) loading under this one (short sequences and windows of 257-1024 keys, where
+        # a block has few K/V tiles and its prologue and epilogue weigh).  On the H100 it won every D = 128 key at
+        # N = 1k and 2k and every key of a 1024-key window, and D = 192 full (docs/design.md).
         KernelConfig(128, 128, 8, 2, gluon=True, persistent=True),
     ],
     # K/V-stationary dK/dV: BLOCK_N keys resident, BLOCK_M query rows streamed.
@@ -577,7 +577,8 @@ NARROW_WINDOW_FIRST: dict[str, str] = {"forward": "64x64 w4 s2 gluon", "dq": "64
 # all 6 forward keys, the 128x128 tile without persistence taking 1.11-1.14x its time on the H100
 # (bench/results/h100_window_tuning_q_slots.log) and 1.08-1.13x on an H200 (h200_window_tuning_q_slots.log), and
 # at w = 512 (bf16, 16k) 1.13x, the 64x64 tile 1.06x (h100_window_tuning_512_2048.log); at w = 4096 the tile
-# without persistence won, and at 2048 it came within 5%.
+# without persistence won (h100_window_tuning.log, h200_window_tuning_q_slots.log), and at 2048 it ran within 5% of
+# the persistent one.
 MEDIUM_WINDOW_SPAN = 1024
 MEDIUM_WINDOW_FIRST: dict[str, str] = {"forward": "128x128 w8 s2 gluon persistent"}
 
