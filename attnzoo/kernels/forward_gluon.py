@@ -99,7 +99,7 @@ from .gluon_hopper import (
     zero_rows_from,
 )
 from .launch import sm_count
-from .tuning import shared_memory_limit
+from .tuning import KernelConfig, gluon_shared_memory_estimate, shared_memory_limit
 
 # The kernel's own warps (the first warpgroup); a second warpgroup and the producer warp join as worker partitions.
 KERNEL_WARPS = 4
@@ -915,12 +915,10 @@ def persistent_q_sets(d: int, dv: int, block_n: int, num_stages: int, itemsize: 
     block's Q rows, loading while this one runs) fits the shared memory beside the K/V rings, else 1 (the next
     block's Q rows load only once this block's O has left through them).  ``d`` is q's whole head dim (both column
     parts), ``limit`` the bytes a CTA may hold."""
-    d_first = head_dim_parts(d)[0]
-    own_o = 128 * dv if dv != d_first else 0  # O leaves through rows of its own unless it has Q's first part's width
-    rings = block_n * num_stages * (d + dv)
+    tile = KernelConfig(128, block_n, 8, num_stages, gluon=True, persistent=True)
+    one_set = gluon_shared_memory_estimate("forward", tile, d, dv, itemsize)
     overhead = 1024  # the mbarriers (about 130 B), what the partitions are passed, alignment
-    two_sets = itemsize * (2 * 128 * d + rings + own_o) + overhead
-    return 2 if two_sets <= limit else 1
+    return 2 if one_set + itemsize * 128 * d + overhead <= limit else 1
 
 
 def attention_forward_hopper(

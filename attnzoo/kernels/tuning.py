@@ -265,6 +265,19 @@ def fits_head_dim(kernel: str, cfg: KernelConfig, block_d: int) -> bool:
     return True
 
 
+def gluon_shared_memory_estimate(kernel: str, cfg: KernelConfig, d: int, dv: int, itemsize: int) -> int:
+    """``shared_memory_estimate`` of a ``gluon`` config at exactly D = ``d`` and Dv = ``dv`` (the Gluon tiles hold
+    192 as 128 + 64), with the forward's own O rows where O does not leave through Q's (FP8: a bfloat16 O and two
+    e4m3 P slots per warpgroup).  A persistent forward's one set of Q slots; ``forward_gluon.persistent_q_sets``
+    adds the second where it fits."""
+    tiles = shared_memory_estimate(kernel, cfg, d, itemsize, dv)
+    if kernel == "forward" and itemsize == 1:
+        tiles += 2 * cfg.block_m * dv + 2 * cfg.block_m * cfg.block_n
+    elif kernel == "forward" and dv != head_dim_parts(d)[0]:
+        tiles += itemsize * cfg.block_m * dv
+    return tiles
+
+
 def candidates(
     kernel: str,
     block_d: int,
@@ -284,13 +297,7 @@ def candidates(
 
     def estimate(cfg: KernelConfig) -> int:
         if cfg.gluon and gluon_head_dims is not None:
-            d, dv = gluon_head_dims
-            tiles = shared_memory_estimate(kernel, cfg, d, itemsize, dv)
-            if kernel == "forward" and itemsize == 1:  # FP8: a bfloat16 O and two e4m3 P slots per warpgroup
-                tiles += 2 * cfg.block_m * dv + 2 * cfg.block_m * cfg.block_n
-            elif kernel == "forward" and dv != head_dim_parts(d)[0]:  # O leaves through rows of its own
-                tiles += itemsize * cfg.block_m * dv
-            return tiles
+            return gluon_shared_memory_estimate(kernel, cfg, *gluon_head_dims, itemsize)
         return shared_memory_estimate(kernel, cfg, block_d, itemsize, block_dv)
 
     fitting = [c for c in configs if estimate(c) <= limit]
