@@ -20,10 +20,9 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import statistics
-import subprocess
-import sys
+
+from tree_ab import parse_trees, run_rounds
 
 # (dtype, N, causal, window)
 SHAPES = [
@@ -125,25 +124,9 @@ def main() -> None:
         return
     if not args.tree or len(args.tree) < 2 or not args.out:
         parser.error("give two or more --tree label=path and --out")
-    trees = [t.split("=", 1) for t in args.tree]
-    rows = []
-    with open(args.out, "w") as out:
-        for round_index in range(args.rounds):
-            order = trees if round_index % 2 == 0 else trees[::-1]
-            for label, path in order:
-                env = dict(os.environ, PYTHONPATH=os.path.abspath(path))
-                command = [sys.executable, __file__, "--child", label]
-                for text in args.config:
-                    command += ["--config", text]
-                done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-                if done.returncode:
-                    print(done.stdout, done.stderr, file=sys.stderr)
-                    raise SystemExit(f"round {round_index} tree {label}: exit {done.returncode}")
-                for line in done.stdout.splitlines():
-                    if line.startswith("{"):
-                        rows.append(json.loads(line))
-                        out.write(line + "\n")
-            print(f"round {round_index} done", flush=True)
+    trees = parse_trees(args.tree)
+    config_args = [arg for text in args.config for arg in ("--config", text)]
+    rows = run_rounds(__file__, trees, args.rounds, config_args, args.out)
     print("\n".join(_table(rows, [label for label, _ in trees], args.config)))
 
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import statistics
-import subprocess
 import sys
+
+from tree_ab import parse_trees, run_rounds
 
 CAP = 30.0
 SHAPES = [(dtype, n, causal) for dtype in ("bf16", "fp16") for n in (4096, 16384) for causal in (True, False)]
@@ -83,22 +83,9 @@ def main() -> int:
         return 0
     if not args.out or len(args.tree) < 2:
         p.error("give --out and at least two --tree")
-    trees = dict(t.split("=", 1) for t in args.tree)
-    rows = []
-    for r in range(args.rounds):
-        for label in list(trees) if r % 2 == 0 else list(trees)[::-1]:
-            env = dict(os.environ, PYTHONPATH=os.path.abspath(trees[label]))
-            done = subprocess.run(
-                [sys.executable, __file__, "--child", label, "--pass", args.which],
-                env=env,
-                capture_output=True,
-                text=True,
-                check=True,
-            )
-            rows += [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    with open(args.out, "w") as fh:
-        fh.writelines(json.dumps(row) + "\n" for row in rows)
-    print("\n".join(_table(rows, list(trees))))
+    trees = parse_trees(args.tree)
+    rows = run_rounds(__file__, trees, args.rounds, ["--pass", args.which], args.out)
+    print("\n".join(_table(rows, [label for label, _ in trees])))
     return 0
 
 

@@ -35,8 +35,8 @@ at two stages), the producer loads a block's Q rows into the set that the block 
 through them: a ``q_empty`` barrier per slot), before the block's first K/V tile, while the warpgroups still run the
 previous block; so a warpgroup goes from one block's epilogue to the next block's first product without waiting for
 a copy.  With one set, the Q rows load only once the warpgroup has stored the previous block's O through them,
-after the block's first K/V tile.  At
-N <= 2k, or in a window of 1024 keys, a block has 1-16 K/V tiles, and the prologue and epilogue of a block weigh.
+after the block's first K/V tile.  At N <= 2k, or in a window of 1024 keys, a block has 1-16 K/V tiles, and the
+prologue and epilogue of a block weigh.
 
 Scope (``KernelVariant.FORWARD.gluon_scope`` in ``launch.py`` says why a call runs ``forward.py``'s kernel
 instead): an sm_90 GPU, float16/bfloat16 (or FP8 inputs, DESCALE: ``attnzoo.attention_fp8`` at D = Dv = 64 or 128,
@@ -60,6 +60,7 @@ stores (``_attend_rows``).  Results are the same online softmax as
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -910,6 +911,7 @@ def softcap_form(modifiers: ScoreModifiers, dtype: torch.dtype) -> int:
     return SOFTCAP_RUNNING_MAX
 
 
+@functools.cache  # (asked on every persistent launch: the host path of a repeated call stays a lookup)
 def persistent_q_sets(d: int, dv: int, block_n: int, num_stages: int, itemsize: int, limit: int) -> int:
     """Sets of Q slots (one slot a warpgroup each) of a persistent 128-row block: 2 where a second set (the next
     block's Q rows, loading while this one runs) fits the shared memory beside the K/V rings, else 1 (the next
