@@ -1,5 +1,5 @@
 """Alternating processes over source trees, for the A/B scripts of bench/ (``softcap_ab.py``,
-``forward_config_ab.py``).
+``forward_config_ab.py``, ``backward_tree_ab.py``).
 
 Each round runs ``script --child LABEL *child_args`` once per tree, with attnzoo imported from that tree
 (``PYTHONPATH``), in the trees' order and reversed every other round, so that a drift of the machine between rounds
