@@ -34,9 +34,9 @@ memory holds two sets of Q slots, one slot a warpgroup each (``persistent_q_sets
 at two stages), the producer loads a block's Q rows into the set that the block before last has left (its O stored
 through them: a ``q_empty`` barrier per slot), before the block's first K/V tile, while the warpgroups still run the
 previous block; so a warpgroup goes from one block's epilogue to the next block's first product without waiting for
-a copy.  With one set, the Q rows load only once the warpgroup has stored the previous block's O through them,
-after the block's first K/V tile.  At N <= 2k, or in a window of 1024 keys, a block has 1-16 K/V tiles, and the
-prologue and epilogue of a block weigh.
+a copy, and waits for its O store only once that product is issued (then it releases the set).  With one set, the Q
+rows load only once the warpgroup has stored the previous block's O through them, after the block's first K/V tile.
+At N <= 2k, or in a window of 1024 keys, a block has 1-16 K/V tiles, and the prologue and epilogue of a block weigh.
 
 Scope (``KernelVariant.FORWARD.gluon_scope`` in ``launch.py`` says why a call runs ``forward.py``'s kernel
 instead): an sm_90 GPU, float16/bfloat16 (or FP8 inputs, DESCALE: ``attnzoo.attention_fp8`` at D = Dv = 64 or 128,
@@ -296,7 +296,7 @@ if gluon is not None:
         WARPGROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
         BLOCK_DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, IS_FP16: gl.constexpr,
         INLINE_LOADS: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-        ALIBI: gl.constexpr, VARLEN: gl.constexpr, DESCALE: gl.constexpr,
+        ALIBI: gl.constexpr, VARLEN: gl.constexpr, DESCALE: gl.constexpr, DEFER_O_WAIT: gl.constexpr = False,
     ):  # fmt: skip
         """o and lse of the 64 rows of warpgroup ``WARPGROUP`` of the Q block (4 warps; the loop of the module
         docstring).  INLINE_LOADS: this warpgroup refills the K/V slots itself (the whole block is one warpgroup);
@@ -307,7 +307,11 @@ if gluon is not None:
         number ``kv_base + j`` of the K/V rings (a persistent program's earlier Q blocks used the numbers before), and
         the Q rows arrive in Q slot ``WARPGROUP + q_set_base`` (``q_set_base``: the first slot of the block's set of
         Q slots, 0 but in a persistent program's second set), in phase ``q_phase`` of its barrier; O leaves through
-        that slot where it leaves through Q's rows.  ``o_factor`` multiplies o (FP8's v factor, else 1).
+        that slot where it leaves through Q's rows.  DEFER_O_WAIT (a persistent program with two sets): the block
+        does not wait for its O store at its end; the next block waits for it right after issuing its first S
+        product, so that the store runs under that product, and then releases Q slot ``q_release`` (the previous
+        block's; -1 in a program's first block) to the producer.  ``o_factor`` multiplies o (FP8's v factor, else
+        1).
         DESCALE (FP8 inputs): q, k, v and P in e4m3, o in bfloat16, V slots keys-contiguous (``_wait_v``), and
         ``qk_scale`` (times the q and k factors) of either sign (``_signed_scores``).
         ``modifiers = (window_left, window_right, cap_in, cap_out, slope2)``, each read only under its flag; with
@@ -324,9 +328,9 @@ if gluon is not None:
         producer warp does it otherwise).
         """
         q_smem, q2_smem, k_ring, k2_ring, v_ring, o_smem, p_smem = smem
-        q_bars, k_ready, v_ready, k_empty, v_empty = bars
+        q_bars, k_ready, v_ready, k_empty, v_empty, q_empty = bars
         (bh, _, head, kv_head, start_m, seqlen_q, seqlen_k, first_key, left_tiles, unmasked_tiles, n_tiles,
-         qk_scale, q_phase, q_set_base, kv_base, o_factor) = scalars  # fmt: skip
+         qk_scale, q_phase, q_set_base, q_release, kv_base, o_factor) = scalars  # fmt: skip
         window_left, window_right, cap_in, cap_out, slope2 = modifiers
         coord_batch, row_origin, key_origin, total_q, o_ptr, stride_o_row = packed
         FIXED_MAX: gl.constexpr = SOFTCAP == _SOFTCAP_FIXED_MAX
@@ -370,6 +374,12 @@ if gluon is not None:
         # Tile 0: nothing to overlap with yet.
         s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
         s = _issue_scores(q_tile, q2_tile, k_ready, k_ring, k2_ring, kv_base, s, BLOCK_N, BLOCK_D, BLOCK_D2, NUM_STAGES)
+        if DEFER_O_WAIT:  # noqa: SIM102 - a compile-time branch around a runtime one
+            # The previous block's O store reads its Q slot while this block's first S product runs; only then is
+            # the slot released to the producer.
+            if q_release >= 0:
+                tma.store_wait(0)
+                mbarrier.arrive(q_empty.index(q_release))
         s = warpgroup_mma_wait(0, deps=(s,))
         if not INLINE_LOADS:
             mbarrier.arrive(k_empty.index(kv_base % NUM_STAGES))
@@ -513,7 +523,8 @@ if gluon is not None:
             lse_rows = lse_ptr + bh.to(gl.int64) * seqlen_q
             tma_store(o_desc, [coord_batch, head, start_m, 0], o_slot)
         gl.store(lse_rows + rows, lse, mask=rows < seqlen_q)
-        tma.store_wait(0)
+        if not DEFER_O_WAIT:
+            tma.store_wait(0)
 
     @gluon.jit
     def _load_q_rows(q_desc, q2_desc, q_smem, q2_smem, q_bars, q_empty, batch, head, start_m, q_round,
@@ -553,7 +564,7 @@ if gluon is not None:
         (a plain arrive: its count is one and no bytes are expected of it).  KEYS_INNER: v's boxes are ``[Dv,
         BLOCK_N]`` (FP8, ``_load_v``)."""
         q_smem, q2_smem, k_ring, k2_ring, v_ring, _, _ = smem
-        q_bars, k_ready, v_ready, k_empty, v_empty = bars
+        q_bars, k_ready, v_ready, k_empty, v_empty, _ = bars
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
         Q_SETS: gl.constexpr = q_smem.type.shape[0] // NUM_WARPGROUPS
         if not PERSISTENT:
@@ -670,14 +681,20 @@ if gluon is not None:
             (bh, batch, head, kv_head, start_m, start, left_tiles, unmasked_tiles, n_tiles, slope2, seqlen_q,
              seqlen_k, packed) = q_block_tiles(_round_tile(tile, num_tiles, CAUSAL), problem, 128, BLOCK_N, CAUSAL,
                                           WINDOW_LEFT, WINDOW_RIGHT, ALIBI, False)  # fmt: skip
+            # With two sets, the previous block's slot is released inside this block, once its first S is issued.
+            q_release = -1
+            if q_round > 0:
+                q_release = WARPGROUP + 2 * ((q_round - 1) % Q_SETS)
             scalars = (bh, batch, head, kv_head, start_m, seqlen_q, seqlen_k, start, left_tiles, unmasked_tiles,
-                       n_tiles, qk_scale, (q_round // Q_SETS) & 1, q_set_base, kv_base, 1.0)  # fmt: skip
+                       n_tiles, qk_scale, (q_round // Q_SETS) & 1, q_set_base, q_release, kv_base, 1.0)  # fmt: skip
             _attend_rows(k_desc, k2_desc, v_desc, o_desc, lse_ptr, smem, bars, scalars,
                          (window_left, window_right, cap_in, cap_out, slope2), packed,
                          WARPGROUP, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, CAUSAL, NUM_STAGES, IS_FP16, False,
-                         WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, False, False)  # fmt: skip
-            mbarrier.arrive(q_empty.index(WARPGROUP + q_set_base))
+                         WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, False, False, Q_SETS == 2)  # fmt: skip
+            if Q_SETS == 1:
+                mbarrier.arrive(q_empty.index(WARPGROUP + q_set_base))
             kv_base += n_tiles
+        tma.store_wait(0)  # the last block's O (DEFER_O_WAIT)
 
     @gluon.jit
     def _load_blocks(
@@ -810,7 +827,7 @@ if gluon is not None:
         fence_async_shared()
 
         smem = (q_smem, q2_smem, k_ring, k2_ring, v_ring, o_smem, p_smem)
-        bars = (q_bars, k_ready, v_ready, k_empty, v_empty)
+        bars = (q_bars, k_ready, v_ready, k_empty, v_empty, q_empty)
         scalars = (
             bh,
             batch,
@@ -826,6 +843,7 @@ if gluon is not None:
             qk_scale,
             0,  # q_phase
             0,  # q_set_base
+            -1,  # q_release
             0,  # kv_base
             o_factor,
         )
