@@ -14,12 +14,11 @@ rounds in each tree, its speed over the first tree's, and cuDNN's time over it.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import statistics
 
-from tree_ab import parse_trees, run_rounds
+import tree_ab
 
 # (dtype, D, N, causal)
 SHAPES = [
@@ -93,21 +92,10 @@ def _table(rows: list[dict], trees: list[str]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tree", action="append", help="label=path (two or more)")
-    parser.add_argument("--backend", default="triton_atomic")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", help="JSON lines of every process's timings")
-    parser.add_argument("--child", metavar="LABEL", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        _time_tree(args.child, args.backend)
-        return
-    if not args.tree or len(args.tree) < 2 or not args.out:
-        parser.error("give two or more --tree label=path and --out")
-    trees = parse_trees(args.tree)
-    rows = run_rounds(__file__, trees, args.rounds, ["--backend", args.backend], args.out)
-    print("\n".join(_table(rows, [label for label, _ in trees])))
+    cli = tree_ab.parser(__doc__)
+    cli.add_argument("--backend", default="triton_atomic")
+    backend = cli.parse_known_args()[0].backend
+    tree_ab.main(cli, __file__, ["--backend", backend], lambda label: _time_tree(label, backend), _table)
 
 
 if __name__ == "__main__":

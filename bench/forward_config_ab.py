@@ -17,12 +17,11 @@ the first tree's, and cuDNN's time over each tree's.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import statistics
 
-from tree_ab import parse_trees, run_rounds
+import tree_ab
 
 # (dtype, N, causal, window)
 SHAPES = [
@@ -112,22 +111,14 @@ def _table(rows: list[dict], trees: list[str], configs: list[str]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tree", action="append", help="label=path (two or more)")
-    parser.add_argument("--config", action="append", required=True, help="a Gluon forward config ('128x128 w8 s2')")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", help="JSON lines of every process's timings")
-    parser.add_argument("--child", metavar="LABEL", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        _time_tree(args.child, args.config)
-        return
-    if not args.tree or len(args.tree) < 2 or not args.out:
-        parser.error("give two or more --tree label=path and --out")
-    trees = parse_trees(args.tree)
-    config_args = [arg for text in args.config for arg in ("--config", text)]
-    rows = run_rounds(__file__, trees, args.rounds, config_args, args.out)
-    print("\n".join(_table(rows, [label for label, _ in trees], args.config)))
+    cli = tree_ab.parser(__doc__)
+    cli.add_argument("--config", action="append", required=True, help="a Gluon forward config ('128x128 w8 s2')")
+    configs = cli.parse_known_args()[0].config
+    config_args = [arg for text in configs for arg in ("--config", text)]
+    tree_ab.main(
+        cli, __file__, config_args, lambda label: _time_tree(label, configs),
+        lambda rows, trees: _table(rows, trees, configs),
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

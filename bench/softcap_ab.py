@@ -13,13 +13,11 @@ tree.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import statistics
-import sys
 
-from tree_ab import parse_trees, run_rounds
+import tree_ab
 
 CAP = 30.0
 SHAPES = [(dtype, n, causal) for dtype in ("bf16", "fp16") for n in (4096, 16384) for causal in (True, False)]
@@ -70,24 +68,12 @@ def _table(rows: list[dict], trees: list[str]) -> list[str]:
     return lines
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tree", action="append", default=[], help="label=path (repeat; the first is the reference)")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--pass", dest="which", choices=("fwd", "bwd"), default="fwd")
-    p.add_argument("--out", help="JSON lines of every process's timings")
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.child:
-        _time_tree(args.child, args.which)
-        return 0
-    if not args.out or len(args.tree) < 2:
-        p.error("give --out and at least two --tree")
-    trees = parse_trees(args.tree)
-    rows = run_rounds(__file__, trees, args.rounds, ["--pass", args.which], args.out)
-    print("\n".join(_table(rows, [label for label, _ in trees])))
-    return 0
+def main() -> None:
+    cli = tree_ab.parser(__doc__)
+    cli.add_argument("--pass", dest="which", choices=("fwd", "bwd"), default="fwd")
+    which = cli.parse_known_args()[0].which
+    tree_ab.main(cli, __file__, ["--pass", which], lambda label: _time_tree(label, which), _table)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

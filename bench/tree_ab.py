@@ -8,10 +8,12 @@ touches every tree alike.  A child prints one JSON object per line; the others a
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 
 def parse_trees(texts: list[str]) -> list[tuple[str, str]]:
@@ -38,3 +40,35 @@ def run_rounds(script: str, trees: list[tuple[str, str]], rounds: int, child_arg
                         fh.write(line + "\n")
             print(f"round {round_index} done", flush=True)
     return rows
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """A command line with the options every tree A/B takes: ``--tree label=path`` (two or more, the first the
+    reference), ``--rounds``, ``--out`` (the JSON lines), and the children's hidden ``--child LABEL``; a script adds
+    its own."""
+    cli = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    cli.add_argument("--tree", action="append", default=[], help="label=path (two or more; the first is the reference)")
+    cli.add_argument("--rounds", type=int, default=3)
+    cli.add_argument("--out", help="JSON lines of every process's timings")
+    cli.add_argument("--child", metavar="LABEL", help=argparse.SUPPRESS)
+    return cli
+
+
+def main(
+    cli: argparse.ArgumentParser,
+    script: str,
+    child_args: list[str],
+    time_child: Callable[[str], None],
+    table: Callable[[list[dict], list[str]], list[str]],
+) -> None:
+    """Parse ``cli``; as a child (``--child LABEL``) run ``time_child(LABEL)`` in this process; else run the rounds
+    of ``script`` over the trees, its children given ``child_args``, and print ``table(rows, labels)``."""
+    args = cli.parse_args()
+    if args.child:
+        time_child(args.child)
+        return
+    if len(args.tree) < 2 or not args.out:
+        cli.error("give two or more --tree label=path and --out")
+    trees = parse_trees(args.tree)
+    rows = run_rounds(script, trees, args.rounds, child_args, args.out)
+    print("\n".join(table(rows, [label for label, _ in trees])))
