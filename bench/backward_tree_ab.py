@@ -14,7 +14,6 @@ rounds in each tree, its speed over the first tree's, and cuDNN's time over it.
 
 from __future__ import annotations
 
-import collections
 import json
 import statistics
 
@@ -76,9 +75,7 @@ def _time_tree(label: str, backend_name: str) -> None:
 
 
 def _table(rows: list[dict], trees: list[str]) -> list[str]:
-    by = collections.defaultdict(list)
-    for row in rows:
-        by[(row["shape"], row["tree"])].append(row)
+    by = tree_ab.rows_by(rows, "shape", "tree")
     lines = []
     for dtype, d, n, causal in SHAPES:
         shape = _shape_label(dtype, d, n, causal)

@@ -17,7 +17,6 @@ the first tree's, and cuDNN's time over each tree's.
 
 from __future__ import annotations
 
-import collections
 import json
 import statistics
 
@@ -93,9 +92,7 @@ def _time_tree(label: str, configs: list[str]) -> None:
 
 
 def _table(rows: list[dict], trees: list[str], configs: list[str]) -> list[str]:
-    by = collections.defaultdict(list)
-    for row in rows:
-        by[(row["shape"], row["tree"])].append(row)
+    by = tree_ab.rows_by(rows, "shape", "tree")
     lines = []
     for dtype, n, causal, window in SHAPES:
         shape = _shape_label(dtype, n, causal, window)

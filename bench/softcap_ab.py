@@ -13,7 +13,6 @@ tree.
 
 from __future__ import annotations
 
-import collections
 import json
 import statistics
 
@@ -50,9 +49,7 @@ def _time_tree(label: str, which: str) -> None:
 
 
 def _table(rows: list[dict], trees: list[str]) -> list[str]:
-    by = collections.defaultdict(list)
-    for row in rows:
-        by[(row["dtype"], row["N"], row["causal"], row["tree"])].append(row)
+    by = tree_ab.rows_by(rows, "dtype", "N", "causal", "tree")
     lines = []
     for dtype, n, causal in SHAPES:
         first = statistics.median(r["softcap"] for r in by[(dtype, n, causal, trees[0])])

@@ -9,6 +9,7 @@ touches every tree alike.  A child prints one JSON object per line; the others a
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import subprocess
@@ -40,6 +41,15 @@ def run_rounds(script: str, trees: list[tuple[str, str]], rounds: int, child_arg
                         fh.write(line + "\n")
             print(f"round {round_index} done", flush=True)
     return rows
+
+
+def rows_by(rows: list[dict], *fields: str) -> dict[tuple, list[dict]]:
+    """The children's rows grouped by the values of ``fields`` (the tree's label last, say), each group in run
+    order; a key no row has gives an empty list."""
+    groups = collections.defaultdict(list)
+    for row in rows:
+        groups[tuple(row[field] for field in fields)].append(row)
+    return groups
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
