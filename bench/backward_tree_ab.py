@@ -65,7 +65,7 @@ def _time_tree(label: str, backend_name: str) -> None:
             if not all(torch.isfinite(g).all() for g in gradients[name]):
                 raise SystemExit(f"{label} {name} {row['shape']}: non-finite gradients")
             step = lambda out=out, grad=grad: out.backward(grad, retain_graph=True)  # noqa: E731
-            row[name] = triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=[q, k, v])
+            row[name] = triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=[q, k, v], return_mode="median")
             q.grad = k.grad = v.grad = None
         for name, ours, theirs in zip(("dq", "dk", "dv"), gradients["backend"], gradients["cudnn"], strict=True):
             row[f"max|{name} - cudnn|"] = difference = (ours.float() - theirs.float()).abs().max().item()

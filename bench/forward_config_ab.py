@@ -3,9 +3,9 @@ timed beside it where it runs the call (no window).
 
 Each process imports attnzoo from one tree and times, per shape, the Gluon forward kernel called directly
 (``forward_gluon.attention_forward_hopper`` on a prepared call, as the GPU tests call it) at each ``--config``, as
-CUDA-graph replays (``triton.testing.do_bench_cudagraph``: kernel time, no host time) and as eager calls
-(``do_bench``, L2 cleared before each).  Each config's o is compared with cuDNN's (windows: the first config's), and
-the run stops where they differ by more than ``MAX_DIFFERENCE``.  Shapes: fp16/bf16, D = 128, H = 16, B = 16384 / N;
+CUDA-graph replays (``triton.testing.do_bench_cudagraph``: kernel time, no host time) and as eager calls (``do_bench``,
+L2 cleared before each), medians of each. Each config's o is compared with cuDNN's (windows: the first config's), and
+the run stops where they differ by more than ``MAX_DIFFERENCE``. Shapes: fp16/bf16, D = 128, H = 16, B = 16384 / N;
 N = 1k and 2k with and without a causal mask, N = 16k causal, and causal sliding windows ``(w, 0)`` of 1024 keys at
 N = 4k and 16k and of 4096 keys at 16k (bf16). Processes of the trees alternate, the order reversed every other
 round; the table gives, per shape and config, the median replay time over the rounds in each tree and its ratio to
@@ -63,7 +63,7 @@ def _time_tree(label: str, configs: list[str]) -> None:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 run = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: B023, E731
                 reference = run()
-                row["cudnn"] = triton.testing.do_bench_cudagraph(run)
+                row["cudnn"] = triton.testing.do_bench_cudagraph(run, return_mode="median")
         for text in configs:
             cfg = tuning.KernelConfig.parse(text)
             o = torch.full_like(q, float("nan"))
@@ -86,8 +86,8 @@ def _time_tree(label: str, configs: list[str]) -> None:
                 row[f"{text} max|o - reference|"] = difference
                 if difference > MAX_DIFFERENCE:
                     raise SystemExit(f"{label} {text} {row['shape']}: max |o - reference| = {difference:.3g}")
-            row[text] = triton.testing.do_bench_cudagraph(run)
-            row[f"{text} eager"] = triton.testing.do_bench(run, warmup=25, rep=100)
+            row[text] = triton.testing.do_bench_cudagraph(run, return_mode="median")
+            row[f"{text} eager"] = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
         print(json.dumps(row), flush=True)
 
 

@@ -669,9 +669,11 @@ if gluon is not None:
         WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
     ):  # fmt: skip
         """A persistent program's warpgroup ``WARPGROUP``: its rows of Q blocks ``program_id, program_id +
-        num_programs, ..``, one after the other, each as ``_attend_rows``; after a block's O has left through its Q
-        slot, an arrive on the slot's ``q_empty`` lets the producer load a later block's rows into it (the next
-        block's, or with two slots per warpgroup the one after it: the next block's are already loading)."""
+        num_programs, ..``, one after the other, each as ``_attend_rows``; once a block's O has left through its Q
+        slot, an arrive on the slot's ``q_empty`` lets the producer load a later block's rows into it.  With one set
+        of Q slots, the arrive follows the block, and the next block's rows load into the slot; with two, the next
+        block makes it right after issuing its first S product (``DEFER_O_WAIT``), and the block after that loads
+        into the slot (the next block's rows loaded into the other set meanwhile)."""
         window_left, window_right = problem[5], problem[6]
         Q_SETS: gl.constexpr = smem[0].type.shape[0] // 2  # (a persistent block has two warpgroups)
         kv_base = 0
