@@ -91,8 +91,10 @@ def _table(rows: list[dict], trees: list[str]) -> list[str]:
 def main() -> None:
     cli = tree_ab.parser(__doc__)
     cli.add_argument("--backend", default="triton_atomic")
-    backend = cli.parse_known_args()[0].backend
-    tree_ab.main(cli, __file__, ["--backend", backend], lambda label: _time_tree(label, backend), _table)
+    args = cli.parse_args()
+    tree_ab.main(
+        cli, args, __file__, ["--backend", args.backend], lambda label: _time_tree(label, args.backend), _table
+    )
 
 
 if __name__ == "__main__":

@@ -110,11 +110,11 @@ def _table(rows: list[dict], trees: list[str], configs: list[str]) -> list[str]:
 def main() -> None:
     cli = tree_ab.parser(__doc__)
     cli.add_argument("--config", action="append", required=True, help="a Gluon forward config ('128x128 w8 s2')")
-    configs = cli.parse_known_args()[0].config
-    config_args = [arg for text in configs for arg in ("--config", text)]
+    args = cli.parse_args()
+    config_args = [arg for text in args.config for arg in ("--config", text)]
     tree_ab.main(
-        cli, __file__, config_args, lambda label: _time_tree(label, configs),
-        lambda rows, trees: _table(rows, trees, configs),
+        cli, args, __file__, config_args, lambda label: _time_tree(label, args.config),
+        lambda rows, trees: _table(rows, trees, args.config),
     )  # fmt: skip
 
 

@@ -68,8 +68,8 @@ def _table(rows: list[dict], trees: list[str]) -> list[str]:
 def main() -> None:
     cli = tree_ab.parser(__doc__)
     cli.add_argument("--pass", dest="which", choices=("fwd", "bwd"), default="fwd")
-    which = cli.parse_known_args()[0].which
-    tree_ab.main(cli, __file__, ["--pass", which], lambda label: _time_tree(label, which), _table)
+    args = cli.parse_args()
+    tree_ab.main(cli, args, __file__, ["--pass", args.which], lambda label: _time_tree(label, args.which), _table)
 
 
 if __name__ == "__main__":

@@ -66,14 +66,14 @@ def parser(doc: str) -> argparse.ArgumentParser:
 
 def main(
     cli: argparse.ArgumentParser,
+    args: argparse.Namespace,
     script: str,
     child_args: list[str],
     time_child: Callable[[str], None],
     table: Callable[[list[dict], list[str]], list[str]],
 ) -> None:
-    """Parse ``cli``; as a child (``--child LABEL``) run ``time_child(LABEL)`` in this process; else run the rounds
-    of ``script`` over the trees, its children given ``child_args``, and print ``table(rows, labels)``."""
-    args = cli.parse_args()
+    """``args``, parsed by ``cli``: as a child (``--child LABEL``) run ``time_child(LABEL)`` in this process; else run
+    the rounds of ``script`` over the trees, its children given ``child_args``, and print ``table(rows, labels)``."""
     if args.child:
         time_child(args.child)
         return

@@ -5,7 +5,6 @@ path, in the trees' order and reversed every other round, and collects the JSON 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -63,13 +62,13 @@ def test_a_failing_child_stops_the_run_naming_its_round_and_tree(tree_ab, tmp_pa
         tree_ab.run_rounds(str(script), trees, 2, [], str(tmp_path / "rows.jsonl"))
 
 
-def test_the_command_line_needs_two_trees_and_an_output(tree_ab, monkeypatch, capsys):
+def test_the_command_line_needs_two_trees_and_an_output(tree_ab, capsys):
     cli = tree_ab.parser("An A/B.\n\nMore.")
-    monkeypatch.setattr(sys, "argv", ["ab.py", "--tree", "a=.", "--out", "x.jsonl"])
+    args = cli.parse_args(["--tree", "a=.", "--out", "x.jsonl"])
     with pytest.raises(SystemExit):
-        tree_ab.main(cli, "ab.py", [], lambda label: None, lambda rows, labels: [])
+        tree_ab.main(cli, args, "ab.py", [], lambda label: None, lambda rows, labels: [])
     assert "give two or more --tree label=path and --out" in capsys.readouterr().err
     timed = []
-    monkeypatch.setattr(sys, "argv", ["ab.py", "--child", "a"])  # a child times in its own process, no rounds
-    tree_ab.main(cli, "ab.py", [], timed.append, lambda rows, labels: [])
+    args = cli.parse_args(["--child", "a"])  # a child times in its own process, no rounds
+    tree_ab.main(cli, args, "ab.py", [], timed.append, lambda rows, labels: [])
     assert timed == ["a"]
